@@ -1,0 +1,1 @@
+"""genscore HTTP layer: FastAPI app, routes, schemas, errors, settings, batcher and engine."""

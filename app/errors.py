@@ -1,0 +1,107 @@
+"""Domain exceptions and the one table that maps them, and framework errors, to HTTP statuses with an OpenAI-shaped body."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("genscore.errors")
+
+
+class GenscoreError(Exception):
+    """An error a client should see: HTTP status, OpenAI error type, the offending field."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(GenscoreError):
+    """The request is well-formed JSON but asks for something we cannot do (bad ids, too long, over a cap)."""
+
+
+class ModelNotServedError(GenscoreError):
+    """The request names a model this server does not serve."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ServiceUnavailableError(GenscoreError):
+    """Not ready yet, draining, or the batcher is gone."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+
+
+class EngineError(GenscoreError):
+    """The forward pass or sampler failed on a batch; the message is generic, the log has the cause."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _field_name(loc: tuple) -> str | None:
+    """('body', 'items', 2, 0) -> 'items[2][0]'; the leading 'body' and pydantic's union branch tags are dropped."""
+    name = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in {"str", "int", "list"} or "function-" in part):
+            continue  # union branch labels such as 'list[int]'
+        else:
+            name += f".{part}" if name else str(part)
+    return name or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    # With unions (str | list[int]) every branch reports; the deepest location is the real culprit.
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    param = _field_name(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    elif first.get("type") == "missing":
+        msg = "field required"
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as {"error": {...}}; never a traceback in a body."""
+
+    @app.exception_handler(GenscoreError)
+    async def _genscore(_: Request, exc: GenscoreError):
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), error_type), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error", "internal_server_error"), status_code=500)

@@ -1,0 +1,107 @@
+"""App factory and lifespan: load the model off the event loop, warm up, start the batcher; drain and stop on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+
+from app.engine import Engine, set_torch_threads
+from app.errors import install_error_handlers
+from app.routes import health, score
+from app.settings import Settings
+from models import LoadedModel, load_model
+
+log = logging.getLogger("genscore")
+
+
+@dataclass
+class Lifecycle:
+    """Where the server is in its life; the probes read this and nothing else."""
+
+    engine: Engine | None = None
+    ready: bool = False
+    draining: bool = False
+    load_error: str | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def failure(self) -> str | None:
+        """Why this process can never serve again (liveness fails), or None."""
+        if self.load_error is not None:
+            return self.load_error
+        if self.engine is not None and not self.engine.batcher.alive and not self.draining:
+            return "the batcher loop died"
+        return None
+
+    def not_ready_reason(self) -> str:
+        failure = self.failure()
+        if failure:
+            return failure
+        if self.draining:
+            return "the server is shutting down"
+        if self.engine is None:
+            return "the model is loading"
+        return "the model is warming up"
+
+
+def create_app(
+    settings: Settings,
+    loaded: LoadedModel | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """Build the app. `loaded` skips loading (tests share one model); `on_fatal` is told when loading fails."""
+    state = Lifecycle()
+
+    async def bring_up() -> None:
+        try:
+            set_torch_threads(settings)
+            model = loaded
+            if model is None:
+                log.info("loading model %s (device=%s, dtype=%s)", settings.model, settings.device, settings.dtype)
+                model = await asyncio.to_thread(
+                    load_model, settings.model, settings.device, settings.dtype, settings.cache_dir
+                )
+            log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
+                     str(model.dtype).removeprefix("torch."), model.load_seconds, model.vocab_size, model.max_length)
+            engine = Engine(model, settings)
+            started = time.perf_counter()
+            await asyncio.to_thread(engine.warm_up)
+            engine.start()
+            state.engine = engine
+            state.ready = not state.draining
+            log.info("ready (warm-up %.2f s)", time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - a failed load must be reported, not swallowed by the task
+            state.load_error = f"model load failed: {exc}"
+            log.error("%s", state.load_error, exc_info=not isinstance(exc, OSError))
+            if on_fatal is not None:
+                on_fatal(state.load_error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        bring_up_task = asyncio.create_task(bring_up(), name="genscore-bring-up")
+        try:
+            yield
+        finally:
+            state.ready = False
+            state.draining = True
+            bring_up_task.cancel()
+            if state.engine is not None:
+                await state.engine.stop()
+
+    app = FastAPI(
+        title="genscore",
+        version="0.1.0",
+        description="Generative scoring: the logprob of candidate tokens after a prompt, from a causal LM.",
+        lifespan=lifespan,
+    )
+    app.state.lifecycle = state
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(score.router)
+    return app

@@ -1,0 +1,1 @@
+"""HTTP routes: thin functions that parse, call the engine and map the result."""

@@ -1,0 +1,99 @@
+"""Request and response models of the HTTP API (pydantic); unknown fields are rejected and numbers are strict (a JSON `true` is not a token id)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from sampler import LogprobsMode
+
+TokenId = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]  # ints are accepted as numbers, bools and strings are not
+Flag = Annotated[bool, Strict()]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProcessorFields(_Strict):
+    """Per-request logit processors; they shape the `processed_*` logprobs modes only."""
+
+    temperature: Number | None = Field(default=None, gt=0, description="Divide logits by this (> 0).")
+    top_k: TokenId | None = Field(default=None, ge=-1, description="Keep the k most likely tokens (0 or -1: off).")
+    top_p: Number | None = Field(default=None, gt=0, le=1, description="Keep the smallest set with this much mass.")
+    min_p: Number | None = Field(default=None, ge=0, le=1, description="Drop tokens below min_p x the top probability.")
+    logit_bias: dict[str, Number] | None = Field(
+        default=None, description="Token id (as a string key, like OpenAI) -> bias added to its logit."
+    )
+
+
+class ScoreRequest(ProcessorFields):
+    """POST /score: the logprob of each label token as the next token after the prompt (query + item)."""
+
+    model: str | None = Field(default=None, description="Must match the served model name when given.")
+    query: str | list[TokenId] = Field(description="Prompt text, or its token ids.")
+    items: list[str] | list[list[TokenId]] | None = Field(
+        default=None, description="Each item is appended to the query (or put before it with item_first)."
+    )
+    label_token_ids: list[TokenId] = Field(description="Candidate next-token ids, each in [0, vocab).")
+    apply_softmax: Flag = Field(default=False, description="Normalize `scores` over the labels.")
+    item_first: Flag = Field(default=False, description="Put each item before the query instead of after it.")
+    logprobs_mode: LogprobsMode | None = Field(default=None, description="Default: the server's.")
+    top_logprobs: TokenId = Field(default=0, ge=0, description="Also return this many top tokens (capped).")
+    add_special_tokens: Flag = Field(default=True, description="Add the tokenizer's special tokens to the query.")
+    truncate_prompt_tokens: TokenId | None = Field(default=None, ge=1, description="Keep only the last N prompt tokens.")
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class ScoreData(BaseModel):
+    index: int
+    label_logprobs: list[float]
+    scores: list[float] | None
+    label_ranks: list[int]
+    top_logprobs: list[TopLogprob] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["score"] = "score"
+    created: int
+    model: str
+    logprobs_mode: LogprobsMode
+    data: list[ScoreData]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "genscore"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

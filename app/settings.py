@@ -1,0 +1,72 @@
+"""Server settings: one pydantic-settings model, read from GENSCORE_* variables and CLI flags, validated once at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sampler import LogprobsMode
+
+
+class Settings(BaseSettings):
+    """Everything `genscore serve` can be told; each field is also `GENSCORE_<NAME>`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GENSCORE_",
+        extra="ignore",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        use_attribute_docstrings=True,
+    )
+
+    model: str = "smollm2-135m"
+    """Model to serve: `smollm2-135m` (bundled), a Hugging Face directory, a .gguf file, or a hub id."""
+    served_model_name: str | None = None
+    """Name clients use in the `model` field (default: the --model value)."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; `auto` is bfloat16 on CUDA and float32 on CPU."""
+    cache_dir: Path = Path.home() / ".cache" / "genscore"
+    """Where converted GGUF weights are cached so later starts skip dequantization."""
+    torch_threads: int = Field(default=0, ge=0)
+    """CPU threads for torch (0 = torch's default)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port to bind."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the server and uvicorn."""
+
+    max_batch_size: int = Field(default=32, ge=1)
+    """Most sequences in one forward pass."""
+    max_batch_tokens: int = Field(default=8192, ge=1)
+    """Most tokens in one forward pass, padding included (sequences x longest sequence)."""
+    max_wait_ms: float = Field(default=5.0, ge=0)
+    """How long the batcher waits for more work before running a batch that is not full."""
+
+    default_logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
+    """Logprobs mode of requests that do not name one."""
+    max_top_logprobs: int = Field(default=20, ge=0)
+    """Cap on `top_logprobs`."""
+    max_items: int = Field(default=1024, ge=1)
+    """Most items in one /score request."""
+    max_label_token_ids: int = Field(default=1024, ge=1)
+    """Most label token ids in one /score request."""
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    """Longest prompt accepted (default: the model's maximum length)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name the API reports and matches requests against."""
+        return self.served_model_name or self.model

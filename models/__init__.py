@@ -1,0 +1,16 @@
+"""Model side of genscore: loading (bundled default, HF dir, GGUF, hub id), the batched forward pass, tiny test models."""
+
+from models.forward import forward_logits
+from models.loading import LoadedModel, ModelNotFoundError, load_model, resolve_device, resolve_dtype
+from models.tiny import TINY_ARCHITECTURES, make_tiny_model
+
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "TINY_ARCHITECTURES",
+    "forward_logits",
+    "load_model",
+    "make_tiny_model",
+    "resolve_device",
+    "resolve_dtype",
+]

@@ -1,0 +1,35 @@
+"""API-tier fixtures: an app on the tiny Llama model, served in-process (TestClient) or on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from tests.conftest import wait_ready
+
+TINY_NAME = "tiny-llama"
+
+
+def tiny_settings(**overrides) -> Settings:
+    return Settings(model="unused", served_model_name=TINY_NAME, device="cpu", dtype="float32", **overrides)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_loaded):
+    with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as test_client:
+        wait_ready(test_client)
+        yield test_client
+
+
+@pytest.fixture(scope="session")
+def full_logits(tiny_loaded):
+    """Reference: plain transformers forward of one unpadded sequence, float32 last-position logits [V]."""
+    import torch
+
+    def compute(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return tiny_loaded.model(torch.tensor([ids])).logits[0, -1].float()
+
+    return compute
