@@ -107,5 +107,5 @@ class ObservabilityMiddleware:
             level,
             '%s "%s %s HTTP/%s" %d %.1f ms',
             client_addr, scope["method"], path, fields["http_version"], status, elapsed * 1000,
-            extra={"http": fields},
+            extra={"http": fields, "request_id": request_id},
         )
