@@ -12,13 +12,14 @@ from app.middleware import request_id_var
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Attributes every LogRecord has; anything else on a record came from `extra=` and goes into the JSON object.
 _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_DROPPED_EXTRAS = frozenset({"color_message"})  # uvicorn's ANSI-coloured copy of the message
 
 
 class RequestIdFilter(logging.Filter):
     """Stamp each record with the id of the HTTP request being handled (None outside a request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
+        if not hasattr(record, "request_id"):  # `extra={"request_id": None}` says "not about a request"
             record.request_id = request_id_var.get()
         return True
 
@@ -41,7 +42,7 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         for key, value in vars(record).items():
-            if key not in _RECORD_ATTRIBUTES and key not in entry and value is not None:
+            if key not in _RECORD_ATTRIBUTES and key not in _DROPPED_EXTRAS and key not in entry and value is not None:
                 entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
@@ -58,6 +59,13 @@ def configure_logging(level: str, log_format: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # uvicorn's own logging config (if one was applied in this process) gives its loggers their own
+    # handlers; send them through ours instead, so every line has the same format.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)  # the root's level, until uvicorn.Config(log_level=...) sets the same one
     # transformers' progress bars and advisory warnings would drown the start-up lines
     import transformers
 

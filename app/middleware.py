@@ -9,9 +9,11 @@ import time
 import uuid
 from contextvars import ContextVar
 
+import orjson
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import error_body
 from app.metrics import UNMATCHED_ROUTE, Metrics
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -25,6 +27,15 @@ _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 # Probes and scrapes arrive every few seconds from the kubelet and Prometheus; they are logged at DEBUG only.
 _QUIET_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 _CLIENT_CLOSED = 499  # nginx's code for "the client went away"; the status label when no response was sent
+
+
+async def _send_shutdown_503(send: Send) -> None:
+    body = orjson.dumps(error_body("the server shut down before this request could be served; retry it",
+                                   "service_unavailable_error"))
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def request_id_from(scope: Scope) -> str:
@@ -70,8 +81,14 @@ class ObservabilityMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except asyncio.CancelledError:
-            status = status or _CLIENT_CLOSED
-            raise
+            if status:  # the response had started: nothing to do but let the connection drop
+                raise
+            # uvicorn cancels the requests still running when its graceful-shutdown timeout
+            # (drain_timeout_s) runs out, and would answer a bare 500: say 503, so clients retry elsewhere.
+            await _send_shutdown_503(send_with_id)
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11: the cancel is handled here
+                task.uncancel()
         except Exception:
             status = status or 500  # Starlette's ServerErrorMiddleware has already answered 500 and re-raises
             raise

@@ -27,5 +27,6 @@ class DrainingServer(uvicorn.Server):
             # A Python signal handler runs in the main thread between bytecodes; logging's handler lock is
             # re-entrant, so logging here cannot deadlock even if the interrupted code was logging.
             log.info("received %s: readiness is now 503; finishing the requests already received (up to %s s)",
-                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown or "unlimited")
+                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown or "unlimited",
+                     extra={"request_id": None})  # the handler runs inside whatever request was interrupted
         super().handle_exit(sig, frame)
