@@ -77,6 +77,11 @@ def warm_cache(settings: Settings) -> int:
     if target is None:
         log.info("%s is not a GGUF file: it loads without conversion, nothing to cache", settings.model)
         return 0
+    try:  # fail before the (long) conversion when the cache cannot be written
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("cannot write the cache directory %s: %s", target.parent, exc)
+        return 1
     loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
     if not (target / "config.json").is_file():
         log.error("the converted weights of %s could not be written to %s (see the warning above)",
