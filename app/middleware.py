@@ -29,13 +29,18 @@ _QUIET_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 _CLIENT_CLOSED = 499  # nginx's code for "the client went away"; the status label when no response was sent
 
 
-async def _send_shutdown_503(send: Send) -> None:
+async def _try_send_shutdown_503(send: Send) -> bool:
+    """Answer 503 to a request cancelled by the shutdown; False when it could not be sent."""
     body = orjson.dumps(error_body("the server shut down before this request could be served; retry it",
                                    "service_unavailable_error"))
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1")]})
-    await send({"type": "http.response.body", "body": body})
+    try:
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": body})
+    except Exception:  # noqa: BLE001 - the client is gone: nothing more to tell it
+        return False
+    return True
 
 
 def request_id_from(scope: Scope) -> str:
@@ -81,11 +86,11 @@ class ObservabilityMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except asyncio.CancelledError:
-            if status:  # the response had started: nothing to do but let the connection drop
-                raise
             # uvicorn cancels the requests still running when its graceful-shutdown timeout
             # (drain_timeout_s) runs out, and would answer a bare 500: say 503, so clients retry elsewhere.
-            await _send_shutdown_503(send_with_id)
+            # Once the response has started, or if the connection is gone, the cancel goes on as it came.
+            if status or not await _try_send_shutdown_503(send_with_id):
+                raise
             task = asyncio.current_task()
             if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11: the cancel is handled here
                 task.uncancel()

@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     access_log: bool = True
     """Log one line per HTTP request (probes and /metrics only at debug level), with its X-Request-ID."""
     drain_timeout_s: float | None = Field(default=30.0, ge=0)
-    """After SIGTERM, how long requests already received may take to finish before they are cancelled (None: no limit)."""
+    """After SIGTERM, how long requests already received may take to finish before they get a 503 (null: no limit)."""
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
