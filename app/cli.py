@@ -23,8 +23,8 @@ log = logging.getLogger("genscore")
 def serve(settings: Settings) -> int:
     """Run the server until SIGTERM/SIGINT, then drain (app/server.py); non-zero exit when the model cannot load.
 
-    After a signal, uvicorn re-raises it once shutdown is complete, so a drained server ends as killed by
-    that signal (exit status 143 for SIGTERM), as process supervisors expect.
+    After a signal, uvicorn re-raises it once shutdown is complete: a drained server ends as killed by that
+    signal (143 for SIGTERM), except as PID 1 in a container, which ignores it and returns here (exit 0).
     """
     from app.main import create_app
     from app.server import DrainingServer
