@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from app.cli import main
 from models import load_model
 from models.loading import converted_weights_dir
