@@ -17,10 +17,13 @@ _WORDS = (
     "country question answer reason moment money history science language nature window child road"
 ).split()
 # Label words: common next tokens (single tokens in SmolLM2's vocabulary, checked at build time).
-_LABEL_WORDS = (
-    " yes no the a of and to in is was it he she they we you I not good bad true false one two three "
-    "positive negative neutral A B C D this that for on with as by at from"
-).split(" ")
+_LABEL_WORDS = [
+    " " + word
+    for word in (
+        "yes no the a of and to in is was it he she they we you I not good bad true false one two three "
+        "positive negative neutral A B C D this that for on with as by at from"
+    ).split()
+]
 
 
 @dataclass(frozen=True)
