@@ -67,6 +67,8 @@ class Engine:
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_ms=settings.max_wait_ms,
+            max_queued_requests=settings.max_queued_requests,  # issue 7: bounded admission
+            retry_after_s=settings.retry_after_s,
             on_batch=on_batch,
         )
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)

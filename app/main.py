@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from app.auth import install_access_control
 from app.engine import Engine, set_torch_threads
-from app.errors import install_error_handlers
+from app.errors import edge_error_responses, install_error_handlers
+from app.limits import RequestGuard
 from app.routes import health, score
 from app.settings import Settings
 from models import LoadedModel, load_model
@@ -98,10 +100,15 @@ def create_app(
         version="0.1.0",
         description="Generative scoring: the logprob of candidate tokens after a prompt, from a causal LM.",
         lifespan=lifespan,
+        responses=edge_error_responses(with_api_key=settings.api_key is not None),  # issue 7
     )
     app.state.lifecycle = state
     app.state.settings = settings
     install_error_handlers(app)
+    # issue 7: body cap, deadline and disconnect handling innermost, then the API key, then CORS (outermost).
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
+                       request_timeout_s=settings.request_timeout_s)
+    install_access_control(app, settings)
     app.include_router(health.router)
     app.include_router(score.router)
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
@@ -59,6 +59,28 @@ class Settings(BaseSettings):
     """Most label token ids in one /score request."""
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt accepted (default: the model's maximum length)."""
+
+    # --- reliability and security (issue 7) ---
+    max_queued_requests: int = Field(default=256, ge=1)
+    """Most requests admitted to the batcher at once (queued or running); beyond it a request gets 503 at once."""
+    retry_after_s: int = Field(default=1, ge=0)
+    """`Retry-After` seconds sent with the 503 of a full queue."""
+    request_timeout_s: float = Field(default=30.0, ge=0)
+    """Deadline of a request: 504 when it passes before its work reaches the model (0 = none). The
+    `X-Request-Timeout` header (seconds) can shorten it per request."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    """Largest request body accepted; a larger one gets 413."""
+    max_generated_tokens: int = Field(default=2048, ge=0)
+    """Cap on `max_tokens` (tokens generated per choice) in the completion routes."""
+    max_n: int = Field(default=16, ge=1)
+    """Cap on `n` (choices per prompt) in the completion routes."""
+    api_key: SecretStr | None = None
+    """When set, every route except the probes (and /metrics with --public-metrics) needs
+    `Authorization: Bearer <key>`."""
+    public_metrics: bool = True
+    """Serve /metrics without the API key (for Prometheus scrapers)."""
+    cors_allow_origins: list[str] = []
+    """Origins allowed to call the API from a browser (CORS); empty = CORS off. `*` allows any."""
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
