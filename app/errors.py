@@ -118,10 +118,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
-    param = _field_name(tuple(first.get("loc", ())))
+    loc = tuple(first.get("loc", ()))
+    param = _field_name(loc)
     msg = first.get("msg", "invalid request")
     if first.get("type") == "extra_forbidden":
         msg = "unknown field"
+        # the unknown key is named as sent, even when it looks like a union branch label such as "["
+        parent = _field_name(loc[:-1]) if len(loc) > 2 else None
+        param = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
     elif first.get("type") == "missing":
         msg = "field required"
     return (f"{param}: {msg}" if param else msg), param

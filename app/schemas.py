@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
 
 from sampler import LogprobsMode
 
 TokenId = Annotated[int, Strict()]
-Number = Annotated[float, Strict()]  # ints are accepted as numbers, bools and strings are not
+# ints are accepted as numbers, bools and strings are not; nor NaN/Infinity, which Python's JSON parser lets through
+Number = Annotated[float, Strict(), AllowInfNan(False)]
 Flag = Annotated[bool, Strict()]
 
 

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     """Cap on `max_tokens` (tokens generated per choice) in the completion routes."""
     max_n: int = Field(default=16, ge=1)
     """Cap on `n` (choices per prompt) in the completion routes."""
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(default=None, min_length=1)
     """When set, every route except the probes (and /metrics with --public-metrics) needs
     `Authorization: Bearer <key>`."""
     public_metrics: bool = True

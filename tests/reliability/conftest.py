@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.main import create_app
-from tests.api.conftest import tiny_settings
+from tests.api.conftest import client, tiny_settings  # noqa: F401 - `client`: the in-process app on the tiny model
 from tests.conftest import live_server
 
 POISON = 13  # a token id that makes the injected fault fire when it reaches the model
