@@ -1,4 +1,4 @@
-"""The request guard at the ASGI edge: body size cap (413), the request's deadline, and cancelling the work of a client that disconnected."""
+"""The request guard at the ASGI edge: a cap on open requests (503), body size cap (413), the request's deadline, and cancelling the work of a client that disconnected."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.batcher import request_deadline
-from app.errors import GenscoreError, InvalidRequestError, PayloadTooLargeError, error_response
+from app.errors import GenscoreError, InvalidRequestError, OverloadedError, PayloadTooLargeError, error_response
+from app.settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+UNCAPPED_PATHS = frozenset({"/health", "/ready"})  # a busy pod must still answer its probes
 _TIMEOUT_HEADER_KEY = TIMEOUT_HEADER.lower().encode()
 
 
@@ -22,25 +24,45 @@ class _ClientGone(Exception):
 class RequestGuard:
     """Pure ASGI middleware (no BaseHTTPMiddleware: that one runs the app in a task group and breaks streaming).
 
-    1. Reads the whole body, counting bytes as they arrive (Content-Length is only used to refuse early: a
+    1. Counts the HTTP requests in progress and answers 503 + Retry-After beyond `max_open_requests`, before
+       reading anything: the batcher bounds the queue, this bounds the requests still being read or validated.
+    2. Reads the whole body, counting bytes as they arrive (Content-Length is only used to refuse early: a
        chunked or lying client is caught by the count), and answers 413 naming the limit beyond
        `max_body_bytes`.
-    2. Sets the request's deadline (`request_timeout_s`, shortened by an `X-Request-Timeout: <seconds>` header)
+    3. Sets the request's deadline (`request_timeout_s`, shortened by an `X-Request-Timeout: <seconds>` header)
        for the batcher, which answers 504 when it passes before the work starts.
-    3. Runs the app in its own task and cancels it when the client disconnects, so its queued work is dropped
+    4. Runs the app in its own task and cancels it when the client disconnects, so its queued work is dropped
        before it reaches the model. uvicorn does not do this by itself: it only reports `http.disconnect` to a
        `receive()` that nobody calls while a JSON endpoint waits for the batcher.
     """
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, request_timeout_s: float):
+    def __init__(self, app: ASGIApp, *, settings: Settings):
         self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = settings.max_body_bytes
+        self.request_timeout_s = settings.request_timeout_s
+        self.max_open_requests = settings.max_open_requests
+        self.retry_after_s = settings.retry_after_s
+        self.open_requests = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] in UNCAPPED_PATHS:
+            await self._guarded(scope, receive, send)
+            return
+        if self.open_requests >= self.max_open_requests:
+            refusal = OverloadedError(f"the server is overloaded: {self.max_open_requests} requests are already in "
+                                      "progress (max_open_requests); retry later", self.retry_after_s)
+            await error_response(refusal)(scope, receive, send)
+            return
+        self.open_requests += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.open_requests -= 1
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         try:
             deadline = self._deadline(scope, arrived)

@@ -106,8 +106,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     # issue 7: body cap, deadline and disconnect handling innermost, then the API key, then CORS (outermost).
-    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
-                       request_timeout_s=settings.request_timeout_s)
+    app.add_middleware(RequestGuard, settings=settings)
     install_access_control(app, settings)
     app.include_router(health.router)
     app.include_router(score.router)

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # --- reliability and security (issue 7) ---
     max_queued_requests: int = Field(default=256, ge=1)
     """Most requests admitted to the batcher at once (queued or running); beyond it a request gets 503 at once."""
+    max_open_requests: int = Field(default=1024, ge=1)
+    """Most HTTP requests in progress at once (being read, validated, queued or computed); beyond it a request
+    gets 503 before its body is read, so a flood cannot pile up in front of the queue. Probes are exempt."""
     retry_after_s: int = Field(default=1, ge=0)
     """`Retry-After` seconds sent with the 503 of a full queue."""
     request_timeout_s: float = Field(default=30.0, ge=0)

@@ -53,6 +53,28 @@ def test_full_queue_is_refused_at_once_with_retry_after(tiny_loaded, probe):
         assert httpx.post(f"{base_url}/score", json=score_body([90, 91]), timeout=30).status_code == 200
 
 
+def test_open_request_cap_refuses_before_reading_and_never_blocks_probes(tiny_loaded, probe):
+    with serving(tiny_loaded, max_batch_size=1, max_open_requests=2, retry_after_s=3) as (base_url, app):
+        batcher = app.state.lifecycle.engine.batcher
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+                held = await hold_the_model(client, probe)
+                queued = asyncio.create_task(client.post("/score", json=score_body([21])))
+                await async_wait_until(lambda: batcher.admitted == 2, what="two open requests")
+                refused = await client.post("/score", json=score_body([92]))
+                probes = [(await client.get(path)).status_code for path in ("/health", "/ready")]
+                probe.gate.set()
+                return refused, probes, await held, await queued
+
+        refused, probes, held, queued = asyncio.run(asyncio.wait_for(scenario(), 30))
+        assert_error(refused, 503, "max_open_requests")
+        assert refused.headers["retry-after"] == "3"
+        assert probes == [200, 200]
+        assert held.status_code == 200 and queued.status_code == 200
+        assert httpx.post(f"{base_url}/score", json=score_body([92]), timeout=30).status_code == 200
+
+
 def test_deadline_passing_in_the_queue_is_504_and_the_work_never_runs(tiny_loaded, probe):
     with serving(tiny_loaded, max_batch_size=1) as (base_url, _):
 
