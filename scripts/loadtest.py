@@ -18,15 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
+import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -76,58 +78,97 @@ class Tally:
     errors: int = 0
     lost: int = 0
     wrong: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # of 200s
+    refusal_latencies: list[float] = field(default_factory=list)  # of 503/429s: how "at once" the refusal was
     error_samples: list[str] = field(default_factory=list)
 
     def row(self, name: str, seconds: float) -> str:
-        p50 = p99 = float("nan")
-        if self.latencies:
-            ordered = sorted(self.latencies)
-            p50 = statistics.median(ordered)
-            p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         return (f"| {name} | {self.sent} | {self.ok} | {self.refused} | {self.deadline} | {self.abandoned} | "
-                f"{self.errors} | {self.lost} | {self.wrong} | {self.ok / seconds:.1f} | {p50 * 1000:.0f} | "
-                f"{p99 * 1000:.0f} |")
+                f"{self.errors} | {self.lost} | {self.wrong} | {self.ok / seconds:.1f} | "
+                f"{percentile(self.latencies, 0.5)} | {percentile(self.latencies, 0.99)} | "
+                f"{percentile(self.refusal_latencies, 0.5)} |")
 
 
-HEADER = ("| phase | sent | 200 | 503/429 | 504 | abandoned | errors | lost | wrong | 200/s | p50 ms | p99 ms |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+def percentile(values: list[float], q: float) -> str:
+    """The q-quantile in milliseconds, or a dash when there is nothing to measure."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.0f}"
 
 
-async def one_request(client: httpx.AsyncClient, index: int, body: dict, reference: list | None, tally: Tally,
+HEADER = ("| phase | sent | 200 | 503/429 | 504 | abandoned | errors | lost | wrong | 200/s | 200 p50 ms | "
+          "200 p99 ms | 503 p50 ms |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def encode_request(target: Target, body: dict) -> bytes:
+    """The whole HTTP/1.1 request, built once per pool entry: the client must cost far less CPU than the server."""
+    payload = json.dumps(body).encode()
+    head = (f"POST /score HTTP/1.1\r\nHost: {target.host}:{target.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + payload
+
+
+async def exchange(target: Target, raw: bytes) -> Reply:
+    """One request on its own connection; cancelling this closes the socket (the client leaves midway)."""
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        return Reply(status, headers, body)
+    finally:
+        writer.close()
+
+
+async def one_request(target: Target, index: int, raw: bytes, reference: list | None, tally: Tally,
                       leave_after: float | None, client_timeout: float, tol: float) -> None:
     tally.sent += 1
     started = time.perf_counter()
-    call = client.post("/score", json=body, timeout=client_timeout)
     try:
+        reply = await asyncio.wait_for(exchange(target, raw), leave_after or client_timeout)
+    except TimeoutError:
         if leave_after is not None:
-            try:
-                response = await asyncio.wait_for(call, leave_after)  # cancelling closes the connection
-            except TimeoutError:
-                tally.abandoned += 1
-                return
+            tally.abandoned += 1  # the client closed its connection before the answer came
         else:
-            response = await call
-    except httpx.TimeoutException:
-        tally.lost += 1  # sent, and no answer within the client timeout
+            tally.lost += 1  # sent, and no answer within the client timeout
         return
-    except httpx.HTTPError as exc:
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         tally.errors += 1
         tally.error_samples.append(f"request {index}: {type(exc).__name__}: {exc}")
         return
-    if response.status_code == 200:
+    if reply.status == 200:
         tally.ok += 1
         tally.latencies.append(time.perf_counter() - started)
-        if reference is not None and not same(numbers(response.json()), reference, tol):
+        if reference is not None and not same(numbers(json.loads(reply.body)), reference, tol):
             tally.wrong += 1
-    elif response.status_code in (503, 429):
+    elif reply.status in (503, 429):
         tally.refused += 1
-        tally.refused_without_retry_after += "retry-after" not in response.headers
-    elif response.status_code == 504:
+        tally.refusal_latencies.append(time.perf_counter() - started)
+        tally.refused_without_retry_after += "retry-after" not in reply.headers
+    elif reply.status == 504:
         tally.deadline += 1
     else:
         tally.errors += 1
-        tally.error_samples.append(f"request {index}: HTTP {response.status_code}: {response.text[:200]}")
+        tally.error_samples.append(f"request {index}: HTTP {reply.status}: {reply.body[:200]!r}")
 
 
 async def references(client: httpx.AsyncClient, pool: list[dict]) -> list[list]:
@@ -140,13 +181,13 @@ async def references(client: httpx.AsyncClient, pool: list[dict]) -> list[list]:
     return answers
 
 
-async def closed_loop(client, pool, refs, concurrency: int, total: int, args) -> tuple[Tally, float]:
+async def closed_loop(target, raws, refs, concurrency: int, total: int, args) -> tuple[Tally, float]:
     tally = Tally()
     counter = iter(range(total))
 
     async def worker():
         for i in counter:
-            await one_request(client, i, pool[i % len(pool)], refs[i % len(pool)], tally, None,
+            await one_request(target, i, raws[i % len(raws)], refs[i % len(raws)], tally, None,
                               args.client_timeout, args.tolerance)
 
     started = time.perf_counter()
@@ -154,7 +195,7 @@ async def closed_loop(client, pool, refs, concurrency: int, total: int, args) ->
     return tally, time.perf_counter() - started
 
 
-async def open_loop(client, pool, refs, rate: float, args) -> tuple[Tally, float]:
+async def open_loop(target, raws, refs, rate: float, args) -> tuple[Tally, float]:
     """Poisson arrivals at `rate` per second for `duration` seconds; nobody waits for the previous answer."""
     tally = Tally()
     rng = random.Random(args.seed + 1)
@@ -165,9 +206,9 @@ async def open_loop(client, pool, refs, rate: float, args) -> tuple[Tally, float
     while next_at - started < args.duration:
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         leave = rng.uniform(0.02, 1.0) if rng.random() < args.disconnect else None
-        j = i % len(pool)
+        j = i % len(raws)
         tasks.append(asyncio.create_task(
-            one_request(client, i, pool[j], refs[j], tally, leave, args.client_timeout, args.tolerance)))
+            one_request(target, i, raws[j], refs[j], tally, leave, args.client_timeout, args.tolerance)))
         i += 1
         next_at += rng.expovariate(rate)
     await asyncio.gather(*tasks)
@@ -186,7 +227,8 @@ def spawned_server(args):
     genscore = Path(sys.executable).with_name("genscore")
     command = [str(genscore), "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
                "--max-queued-requests", str(args.max_queued_requests), "--request-timeout-s",
-               str(args.request_timeout_s), "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"]
+               str(args.request_timeout_s), "--max-batch-size", str(args.max_batch_size), "--log-level", "warning",
+               *shlex.split(args.server_args)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -210,14 +252,16 @@ def spawned_server(args):
 
 async def run(url: str, args) -> int:
     pool = request_pool(args.pool, args.seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+    parsed = urlsplit(url)
+    target = Target(parsed.hostname or "127.0.0.1", parsed.port or 80)
+    raws = [encode_request(target, body) for body in pool]
+    async with httpx.AsyncClient(base_url=url) as client:
         refs = await references(client, pool)
-        capacity_tally, capacity_s = await closed_loop(client, pool, refs, args.concurrency, args.capacity_requests,
-                                                       args)
-        capacity = capacity_tally.ok / capacity_s
-        rate = args.factor * capacity
-        overload_tally, overload_s = await open_loop(client, pool, refs, rate, args)
+    capacity_tally, capacity_s = await closed_loop(target, raws, refs, args.concurrency, args.capacity_requests, args)
+    capacity = capacity_tally.ok / capacity_s
+    rate = args.factor * capacity
+    overload_tally, overload_s = await open_loop(target, raws, refs, rate, args)
+    async with httpx.AsyncClient(base_url=url) as client:
         after = await client.post("/score", json=pool[0], timeout=60)
         healthy = (await client.get("/health")).status_code == 200 and after.status_code == 200
     print(f"\nserver: {url}   pool: {args.pool} distinct requests ({sum(len(b.get('items') or [0]) for b in pool)} "
@@ -244,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queued-requests", type=int, default=64)
     parser.add_argument("--request-timeout-s", type=float, default=10.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--server-args", default="", help='more `genscore serve` flags, e.g. "--torch-threads 1"')
     parser.add_argument("--factor", type=float, default=4.0, help="offered load as a multiple of measured capacity")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of overload")
     parser.add_argument("--disconnect", type=float, default=0.2, help="fraction of clients that leave midway")
