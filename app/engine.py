@@ -5,6 +5,7 @@ The only module that knows both models/ and sampler/.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -60,6 +61,9 @@ class Engine:
         self.max_prompt_tokens = min(settings.max_prompt_tokens or loaded.max_length, loaded.max_length)
         # One worker thread: torch already uses every core inside a forward pass.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
+        # issue 7: tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
+        # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
         self.batcher: Batcher[ScoreWork, sampler.RowScores] = Batcher(
             self.run_batch,
             tokens_of=lambda work: len(work.token_ids),
@@ -80,6 +84,7 @@ class Engine:
     async def stop(self) -> None:
         await self.batcher.stop()
         self._executor.shutdown(wait=True)
+        self._tokenize_executor.shutdown(wait=True)
 
     def warm_up(self) -> None:
         """One real batch through the same path requests take, so the first caller does not pay for lazy init."""
@@ -186,7 +191,8 @@ class Engine:
         """Validate, queue every prompt of the request in the batcher, and build the /score response body."""
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompts = self.score_prompts(request)
+        loop = asyncio.get_running_loop()
+        prompts = await loop.run_in_executor(self._tokenize_executor, self.score_prompts, request)
         rows = await self.batcher.submit([ScoreWork(ids, params) for ids in prompts])
         return self._score_response(request, params, prompts, rows)
 

@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, ge=0)
     """Deadline of a request: 504 when it passes before its work reaches the model (0 = none). The
     `X-Request-Timeout` header (seconds) can shorten it per request."""
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
-    """Largest request body accepted; a larger one gets 413."""
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1)
+    """Largest request body accepted; a larger one gets 413 (2 MiB holds 1024 items of a few hundred tokens)."""
     max_generated_tokens: int = Field(default=2048, ge=0)
     """Cap on `max_tokens` (tokens generated per choice) in the completion routes."""
     max_n: int = Field(default=16, ge=1)

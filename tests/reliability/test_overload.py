@@ -4,6 +4,7 @@ clients that disconnect (their queued work never reaches the model) and the requ
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -155,3 +156,35 @@ def test_oversized_body_is_413_naming_the_limit_declared_or_chunked(tiny_loaded)
             assert len(httpx.Request("POST", "/", json=fits).content) < limit
             assert client.post("/score", json=fits).status_code == 200
             assert client.get("/health").status_code == 200
+
+
+def test_tokenizing_a_long_text_does_not_stall_probes(tiny_loaded):
+    """Tokenization runs off the event loop: held mid-tokenization, the server still answers its probes."""
+    with serving(tiny_loaded) as (base_url, app):
+        engine = app.state.lifecycle.engine
+        entered, gate = threading.Event(), threading.Event()
+        original = engine.score_prompts
+
+        def held_tokenization(request):
+            entered.set()
+            gate.wait(30)  # on the event loop this would freeze the whole server
+            return original(request)
+
+        engine.score_prompts = held_tokenization
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+                long_text = " ".join(["the quick brown fox"] * 20_000)  # about 400 KB
+                scored = asyncio.create_task(client.post("/score", json={"query": long_text, "label_token_ids": [5]}))
+                await async_wait_until(entered.is_set, what="tokenization to start")
+                probes = [(await client.get(path)).status_code for path in ("/health", "/ready")]
+                gate.set()
+                return probes, await scored
+
+        try:
+            probes, scored = asyncio.run(asyncio.wait_for(scenario(), 30))
+        finally:
+            gate.set()
+            engine.score_prompts = original
+        assert probes == [200, 200]
+        assert_error(scored, 400, "tokens")  # far longer than the model's 128 positions
