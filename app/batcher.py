@@ -253,14 +253,16 @@ class Batcher(Generic[W, R]):
                 p.future.set_result(result)
         if self._on_batch is not None:
             longest = max(p.tokens for p in batch)
-            self._on_batch(
-                BatchStats(
-                    size=len(batch),
-                    padded_tokens=longest * len(batch),
-                    queue_wait_s=started - min(p.enqueued_at for p in batch),
-                    compute_s=time.perf_counter() - started,
-                )
+            stats = BatchStats(
+                size=len(batch),
+                padded_tokens=longest * len(batch),
+                queue_wait_s=started - min(p.enqueued_at for p in batch),
+                compute_s=time.perf_counter() - started,
             )
+            try:
+                self._on_batch(stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
+                log.exception("on_batch callback failed")
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         """Whatever ended the loop, nobody may wait forever: fail every queued caller at once."""

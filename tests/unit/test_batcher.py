@@ -254,3 +254,17 @@ async def test_wrong_result_count_is_an_error_not_a_hang():
     with pytest.raises(EngineError):
         await asyncio.wait_for(batcher.submit([("a", 1)]), 2)
     await batcher.stop()
+
+
+async def test_a_failing_on_batch_callback_does_not_end_the_loop():
+    def broken_metrics(stats):
+        raise ValueError("metrics bug")
+
+    batcher = Batcher(lambda batch: [("done", w) for w in batch], tokens_of=lambda w: 1,
+                      executor=ThreadPoolExecutor(1), max_batch_size=4, max_batch_tokens=100, max_wait_ms=1,
+                      on_batch=broken_metrics)
+    batcher.start()
+    assert await batcher.submit([("a", 1)]) == [("done", ("a", 1))]
+    assert await batcher.submit([("b", 1)]) == [("done", ("b", 1))]
+    assert batcher.alive
+    await batcher.stop()
