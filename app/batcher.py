@@ -1,4 +1,4 @@
-"""Dynamic batcher: bounded admission, one asyncio queue, one consumer task, one Future per unit of work; batches close on size, token budget or max wait, and a failing batch is split until the failing unit stands alone."""
+"""Dynamic batcher: bounded admission, one queue, one consumer task, a Future per unit of work; a failing batch is split until the failing unit stands alone."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class Batcher(Generic[W, R]):
                 self._queue.put_nowait(p)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             _, not_done = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-            if not_done and not any(f.done() and f.exception() is not None for f in futures):
+            if not_done and not any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
                 # The deadline passed. Work that has started runs to the end; work that has not is dropped.
                 if not ticket.started:
                     raise _deadline_error()
