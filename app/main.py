@@ -13,7 +13,8 @@ from fastapi import FastAPI
 
 from app.engine import Engine, set_torch_threads
 from app.errors import install_error_handlers
-from app.routes import health, score
+from app.generation import Generator
+from app.routes import chat, completions, health, score, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -25,6 +26,7 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
+    generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -36,6 +38,8 @@ class Lifecycle:
             return self.load_error
         if self.engine is not None and not self.engine.batcher.alive and not self.draining:
             return "the batcher loop died"
+        if self.generator is not None and not self.generator.alive and not self.draining:
+            return "the generation loop died"
         return None
 
     def not_ready_reason(self) -> str:
@@ -72,6 +76,9 @@ def create_app(
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
+            generator = state.generator = Generator(model, settings)
+            generator.start()
+            await generator.warm_up()
             state.engine = engine
             state.ready = not state.draining
             log.info("ready (warm-up %.2f s)", time.perf_counter() - started)
@@ -92,6 +99,8 @@ def create_app(
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
+            if state.generator is not None:
+                await state.generator.stop()
 
     app = FastAPI(
         title="genscore",
@@ -104,4 +113,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(score.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(tokenize.router)
     return app
