@@ -243,7 +243,9 @@ class OpenAIServing:
                 by_id.append(None)
                 continue
             token_logprobs.append(finite(lp.value))
-            top = {self.tokens.text(t): finite(v) for t, v in lp.top}
+            top: dict[str, float] = {}
+            for t, v in lp.top:  # best first; tokens that decode alike keep the best value under their shared key
+                top.setdefault(self.tokens.text(t), finite(v))
             if all(t != token_id for t, _ in lp.top):
                 top.setdefault(text, finite(lp.value))  # the chosen token is always listed
             top_logprobs.append(top)
