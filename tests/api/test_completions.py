@@ -413,3 +413,38 @@ def test_sdk_errors_raise_the_sdk_exceptions(sdk):
     with pytest.raises(openai.NotFoundError):
         sdk.completions.create(model="gpt-4", prompt=PROMPT)
     assert math.isfinite(sdk.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=1).usage.total_tokens)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(client, monkeypatch):
+    def broken_decode_step(model, batch, next_tokens):
+        raise RuntimeError("simulated model failure")
+
+    monkeypatch.setattr("app.generation.decode_step", broken_decode_step)
+    response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "the model failed while generating",
+                                        "type": "internal_server_error", "param": None, "code": None}
+    streamed = sse_events(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
+                                                               "stream": True}).text)
+    assert streamed[-1]["error"]["type"] == "internal_server_error"  # the stream ends with an error event
+    monkeypatch.undo()
+    assert client.get("/health").status_code == 200
+    assert complete(client, prompt=PROMPT, max_tokens=3)["choices"][0]["finish_reason"] == "length"
+    assert client.app.state.lifecycle.generator.running == 0
+
+
+def test_a_dead_generation_loop_fails_liveness_and_waiting_callers(tiny_loaded):
+    with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as client:
+        wait_ready(client)
+        generator = client.app.state.lifecycle.generator
+        client.portal.call(_kill_loop, generator)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == "the generation loop died"
+        response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 503
+
+
+async def _kill_loop(generator):
+    generator._task.cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
