@@ -130,6 +130,7 @@ class Generator:
         self.stop_token_ids = frozenset(_eos_ids(loaded))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
         self._waiting: list[_Group] = []
+        self._admitting: list[_Group] = []  # taken from _waiting for the step in flight
         self._batch: DecodeBatch | None = None  # rows of self._rows, in order
         self._rows: list[_Choice] = []
         self._wake = asyncio.Event()
@@ -219,15 +220,16 @@ class Generator:
                 self._wake.clear()
                 await self._wake.wait()
             admitted = self._admit()
+            self._admitting = admitted  # not yet in _rows: if the loop dies now, these callers must hear it too
             try:
                 events = await loop.run_in_executor(self._executor, self._step, admitted)
             except Exception:  # noqa: BLE001 - every caller in the batch must hear about it
                 log.exception("generation step failed")
-                error = EngineError("the model failed while generating")
                 for group in {c.group for c in self._rows} | set(admitted):
-                    group.queue.put_nowait(error)
-                self._rows, self._batch = [], None
+                    group.queue.put_nowait(EngineError("the model failed while generating"))
+                self._rows, self._batch, self._admitting = [], None, []
                 continue
+            self._admitting = []
             for group, event in events:
                 group.queue.put_nowait(event)
 
@@ -235,10 +237,9 @@ class Generator:
         """Whatever ended the loop, nobody may wait forever."""
         if not task.cancelled() and task.exception() is not None:
             log.error("generation loop died", exc_info=task.exception())
-        error = ServiceUnavailableError("the generation loop stopped")
-        for group in {c.group for c in self._rows} | set(self._waiting):
-            group.queue.put_nowait(error)
-        self._rows, self._batch, self._waiting = [], None, []
+        for group in {c.group for c in self._rows} | set(self._waiting) | set(self._admitting):
+            group.queue.put_nowait(ServiceUnavailableError("the generation loop stopped"))
+        self._rows, self._batch, self._waiting, self._admitting = [], None, [], []
 
     # --- one step (worker thread) ----------------------------------------------------------------------------------
     def _step(self, admitted: list[_Group]) -> list[tuple[_Group, object]]:
