@@ -448,3 +448,23 @@ async def _kill_loop(generator):
     generator._task.cancel()
     await asyncio.sleep(0)
     await asyncio.sleep(0)
+
+
+def test_admission_limits_queue_work_without_deadlock(tiny_loaded, client):
+    """With room for 2 decoding rows, a request with n = 4 still runs (alone), and queued requests wait their turn."""
+    bodies = [dict(prompt=PROMPT, max_tokens=6, temperature=0, n=4),
+              dict(prompt="Paris is", max_tokens=5, temperature=0),
+              dict(prompt="0 1 2 3 4 5 6 7 8 9", max_tokens=7, temperature=0)]
+    expected = [complete(client, **b)["choices"] for b in bodies]
+    settings = tiny_settings(max_batch_size=2, max_batch_tokens=16, max_cache_tokens=40)
+    with TestClient(create_app(settings, loaded=tiny_loaded)) as small:
+        wait_ready(small)
+
+        async def together():
+            transport = httpx.ASGITransport(app=small.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
+                return await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
+
+        for response, choices in zip(small.portal.call(together), expected):
+            assert response.status_code == 200
+            assert [c["text"] for c in response.json()["choices"]] == [c["text"] for c in choices]
