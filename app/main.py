@@ -14,7 +14,9 @@ from fastapi import FastAPI
 from app.engine import Engine, set_torch_threads
 from app.errors import install_error_handlers
 from app.generation import Generator
-from app.routes import chat, completions, health, score, tokenize
+from app.metrics import Metrics
+from app.middleware import ObservabilityMiddleware
+from app.routes import chat, completions, health, metrics, score, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -28,6 +30,7 @@ class Lifecycle:
     engine: Engine | None = None
     generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
+    warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
     load_error: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -41,6 +44,11 @@ class Lifecycle:
         if self.generator is not None and not self.generator.alive and not self.draining:
             return "the generation loop died"
         return None
+
+    def start_draining(self) -> None:
+        """SIGTERM (app/server.py) or shutdown: readiness fails from now on; work already received goes on."""
+        self.draining = True
+        self.ready = False
 
     def not_ready_reason(self) -> str:
         failure = self.failure()
@@ -60,6 +68,9 @@ def create_app(
 ) -> FastAPI:
     """Build the app. `loaded` skips loading (tests share one model); `on_fatal` is told when loading fails."""
     state = Lifecycle()
+    metrics_registry = Metrics(
+        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None
+    )
 
     async def bring_up() -> None:
         try:
@@ -70,9 +81,11 @@ def create_app(
                 model = await asyncio.to_thread(
                     load_model, settings.model, settings.device, settings.dtype, settings.cache_dir
                 )
+            dtype_name = str(model.dtype).removeprefix("torch.")
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
-                     str(model.dtype).removeprefix("torch."), model.load_seconds, model.vocab_size, model.max_length)
-            engine = Engine(model, settings)
+                     dtype_name, model.load_seconds, model.vocab_size, model.max_length)
+            metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
+            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch)
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
@@ -80,6 +93,7 @@ def create_app(
             generator.start()
             await generator.warm_up()
             state.engine = engine
+            state.warmed = True
             state.ready = not state.draining
             log.info("ready (warm-up %.2f s)", time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - a failed load must be reported, not swallowed by the task
@@ -94,8 +108,7 @@ def create_app(
         try:
             yield
         finally:
-            state.ready = False
-            state.draining = True
+            state.start_draining()
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
@@ -110,9 +123,13 @@ def create_app(
     )
     app.state.lifecycle = state
     app.state.settings = settings
+    app.state.metrics = metrics_registry
     install_error_handlers(app)
+    # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
     app.include_router(health.router)
     app.include_router(score.router)
+    app.include_router(metrics.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize.router)
