@@ -14,10 +14,11 @@ from fastapi import FastAPI
 from app.auth import install_access_control
 from app.engine import Engine, set_torch_threads
 from app.errors import edge_error_responses, install_error_handlers
+from app.generation import Generator
 from app.limits import RequestGuard
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
-from app.routes import health, metrics, score
+from app.routes import chat, completions, health, metrics, score, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -29,6 +30,7 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
+    generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
     warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
@@ -41,6 +43,8 @@ class Lifecycle:
             return self.load_error
         if self.engine is not None and not self.engine.batcher.alive and not self.draining:
             return "the batcher loop died"
+        if self.generator is not None and not self.generator.alive and not self.draining:
+            return "the generation loop died"
         return None
 
     def start_draining(self) -> None:
@@ -87,6 +91,9 @@ def create_app(
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
+            generator = state.generator = Generator(model, settings)
+            generator.start()
+            await generator.warm_up()
             state.engine = engine
             state.warmed = True
             state.ready = not state.draining
@@ -107,6 +114,8 @@ def create_app(
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
+            if state.generator is not None:
+                await state.generator.stop()
 
     app = FastAPI(
         title="genscore",
@@ -127,4 +136,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(score.router)
     app.include_router(metrics.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(tokenize.router)
     return app
