@@ -158,7 +158,6 @@ class RequestGuard:
 def check_limit(value: int | None, limit: int, param: str, setting: str) -> None:
     """400 naming the field, the limit and its setting when a request asks for more than the server allows.
 
-    For the per-request counts the routes check (e.g. `max_tokens` against `max_generated_tokens`, `n` against
-    `max_n`, `logprobs` against `max_top_logprobs`)."""
+    For the per-request counts the routes check (e.g. `max_tokens` against `max_generated_tokens`)."""
     if value is not None and value > limit:
         raise InvalidRequestError(f"{param} = {value} exceeds the server limit of {limit} ({setting})", param)

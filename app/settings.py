@@ -88,9 +88,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1)
     """Largest request body accepted; a larger one gets 413 (2 MiB holds 1024 items of a few hundred tokens)."""
     max_generated_tokens: int = Field(default=2048, ge=0)
-    """Cap on `max_tokens` (tokens generated per choice) in the completion routes."""
-    max_n: int = Field(default=16, ge=1)
-    """Cap on `n` (choices per prompt) in the completion routes."""
+    """Cap on `max_tokens` / `max_completion_tokens` (tokens generated per choice) in the completion routes; also
+    the default of chat requests that set none. (`n` is capped by max_choices.)"""
     api_key: SecretStr | None = Field(default=None, min_length=1)
     """When set, every route except the probes (and /metrics with --public-metrics) needs
     `Authorization: Bearer <key>`."""

@@ -9,8 +9,8 @@ from app.limits import check_limit
 
 
 def test_within_the_limit_passes():
-    check_limit(16, 16, "n", "max_n")
-    check_limit(None, 16, "n", "max_n")
+    check_limit(16, 16, "max_tokens", "max_generated_tokens")
+    check_limit(None, 16, "max_tokens", "max_generated_tokens")
 
 
 def test_over_the_limit_is_a_400_naming_field_limit_and_setting():
