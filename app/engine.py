@@ -137,7 +137,7 @@ class Engine:
         self.run_batch([ScoreWork(ids, SamplingParams(label_token_ids=(0,), top_logprobs=1))] * 2)
         if self.share_prefixes:
             self.run_batch([ScoreWork(ids + [0], SamplingParams(), len(ids), ((0, 0),))] * 2)
-            self.prefix_cache.clear()
+            self.prefix_cache = PrefixCache(self.prefix_cache.stats.capacity_bytes)  # start serving empty, counters at 0
 
     # --- the batch handler (runs on the worker thread) -------------------------------
     def run_batch(self, works: list[ScoreWork]) -> list[ScoreOutcome]:
@@ -266,6 +266,10 @@ class Engine:
             return self.loaded.tokenizer(text_or_ids, add_special_tokens=add_special_tokens)["input_ids"]
         self._check_token_ids(text_or_ids, param)
         return list(text_or_ids)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The model tokenizer's ids for text."""
+        return self.loaded.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def sampling_params(self, request: ScoreRequest) -> SamplingParams:
         """Validate the per-request options against this model and server, once, before any batching."""
@@ -432,8 +436,7 @@ class Engine:
 
     def _candidate_entry(self, index: int, request: ScoreRequest, params: SamplingParams,
                          outcome: ScoreOutcome) -> dict:
-        # a filtered (-inf) token makes the whole candidate impossible (fsum would raise on it)
-        totals = [-math.inf if -math.inf in values else math.fsum(values) for values in outcome.candidate_values]
+        totals = [math.fsum(values) for values in outcome.candidate_values]  # a filtered (-inf) token gives -inf
         return {
             "index": index,
             "candidate_logprobs": [finite(v) for v in totals],

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app.engine import Engine, set_torch_threads
 from app.errors import install_error_handlers
-from app.routes import health, score
+from app.routes import generative_scoring, health, score, sglang
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -104,4 +104,6 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(score.router)
+    app.include_router(sglang.router)
+    app.include_router(generative_scoring.router)
     return app
