@@ -9,8 +9,8 @@ import logging
 import math
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -110,7 +110,7 @@ class Engine:
         self.max_prompt_tokens = min(settings.max_prompt_tokens or loaded.max_length, loaded.max_length)
         # One worker thread: torch already uses every core inside a forward pass.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
-        self.batcher: Batcher[ScoreWork, sampler.RowScores] = Batcher(
+        self.batcher: Batcher[ScoreWork, ScoreOutcome] = Batcher(
             self.run_batch,
             tokens_of=lambda work: work.cost,
             executor=self._executor,
