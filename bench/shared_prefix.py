@@ -50,8 +50,9 @@ async def main(args: argparse.Namespace) -> None:
     }
     print(f"model {args.model} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}), "
           f"max_batch_size {args.max_batch_size}, median of {args.repeats}\n")
-    print("| items | query tokens | prompt tokens | mode | tokens computed | wall s | speed-up | max abs diff |")
-    print("|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("| items | query tokens | prompt tokens | mode | tokens computed | cache hits/misses | wall s | speed-up "
+          "| max abs diff |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for n in args.items:
         query, items = workload(n)
         request = ScoreRequest(query=query, items=items, label_token_ids=[1, 2, 3, 4])
@@ -66,13 +67,15 @@ async def main(args: argparse.Namespace) -> None:
                 if name.endswith("(repeat)"):
                     await engine.score(request)  # fills the cache; the timed requests reuse it
                 wall, usage, values = await run(engine, request, args.repeats)
+                stats = engine.prefix_cache.stats
             finally:
                 await engine.stop()
             computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
             if baseline_time is None:
                 baseline_time, baseline_values = wall, values
             diff = max(abs(a - b) for row, ref in zip(values, baseline_values) for a, b in zip(row, ref))
-            print(f"| {n} | {query_tokens} | {usage['prompt_tokens']} | {name} | {computed} | {wall:.3f} | "
+            print(f"| {n} | {query_tokens} | {usage['prompt_tokens']} | {name} | {computed} | "
+                  f"{stats.hits}/{stats.misses} | {wall:.3f} | "
                   f"{baseline_time / wall:.1f}x | {diff:.1e} |", flush=True)
 
 
