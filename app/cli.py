@@ -1,4 +1,4 @@
-"""The `genscore` command: `genscore serve [--flags]`; every Settings field is a flag and a GENSCORE_* variable."""
+"""The `genscore` command: `genscore serve` and `genscore warm-cache`; every Settings field is a flag and a GENSCORE_* variable."""
 
 from __future__ import annotations
 
@@ -9,32 +9,38 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
+from app.logs import configure_logging
 from app.settings import Settings
 
-USAGE = "usage: genscore serve [--help] [--FLAG VALUE ...]"
+USAGE = "usage: genscore {serve,warm-cache} [--help] [--FLAG VALUE ...]"
+COMMANDS = """commands:
+  serve        serve a model over HTTP (genscore serve --help lists the flags)
+  warm-cache   convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit"""
 
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # transformers' progress bars and advisory warnings would drown the start-up lines
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+log = logging.getLogger("genscore")
 
 
 def serve(settings: Settings) -> int:
-    """Run the server until SIGINT/SIGTERM (uvicorn's own signal handling); non-zero exit when the model cannot load."""
+    """Run the server until SIGTERM/SIGINT, then drain (app/server.py); non-zero exit when the model cannot load.
+
+    After a signal, uvicorn re-raises it once shutdown is complete: a drained server ends as killed by that
+    signal (143 for SIGTERM), except as PID 1 in a container, which ignores it and returns here (exit 0).
+    """
     from app.main import create_app
+    from app.server import DrainingServer
     from models import ModelNotFoundError
     from models.loading import resolve_source
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     try:
         resolve_source(settings.model)  # fail fast, before binding a port, when the model names nothing
     except ModelNotFoundError as exc:
-        logging.getLogger("genscore").error("%s", exc)
+        log.error("%s", exc)
         return 2
+    log.info("genscore starting: model %s (served as %s), device %s, dtype %s, cache %s, max batch %d sequences / "
+             "%d tokens, max wait %.1f ms, log format %s", settings.model, settings.model_name, settings.device,
+             settings.dtype, settings.cache_dir, settings.max_batch_size, settings.max_batch_tokens,
+             settings.max_wait_ms, settings.log_format)
     fatal: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -43,25 +49,63 @@ def serve(settings: Settings) -> int:
         server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level))
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # keep configure_logging's handler (text or JSON) for uvicorn's lines too
+        access_log=False,  # app/middleware.py writes the access log, with the request id
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+    )
+    server = DrainingServer(config)
     server.run()
     return 1 if fatal else 0
+
+
+def warm_cache(settings: Settings) -> int:
+    """Load the model once on CPU so its GGUF weights are converted into settings.cache_dir; 0 when they are there."""
+    from models import ModelNotFoundError, load_model
+    from models.loading import converted_weights_dir
+
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        target = converted_weights_dir(settings.model, settings.cache_dir)
+    except ModelNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
+    if target is None:
+        log.info("%s is not a GGUF file: it loads without conversion, nothing to cache", settings.model)
+        return 0
+    try:  # fail before the (long) conversion when the cache cannot be written
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("cannot write the cache directory %s: %s", target.parent, exc)
+        return 1
+    loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
+    if not (target / "config.json").is_file():
+        log.error("the converted weights of %s could not be written to %s (see the warning above)",
+                  settings.model, target)
+        return 1
+    log.info("converted weights of %s are in %s (load took %.1f s)", settings.model, target, loaded.load_seconds)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\ncommands:\n  serve    serve a model over HTTP (genscore serve --help lists the flags)")
+        print(f"{USAGE}\n\n{COMMANDS}")
         return 0 if argv else 2
-    if argv[0] != "serve":
+    commands = {"serve": serve, "warm-cache": warm_cache}
+    if argv[0] not in commands:
         print(f"genscore: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        settings = CliApp.run(Settings, cli_args=argv[1:], cli_prog_name="genscore serve")
+        settings = CliApp.run(Settings, cli_args=argv[1:], cli_prog_name=f"genscore {argv[0]}")
     except ValidationError as exc:
         print(f"genscore: invalid settings:\n{exc}", file=sys.stderr)
         return 2
-    return serve(settings)
+    return commands[argv[0]](settings)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from fastapi import FastAPI
 
 from app.engine import Engine, set_torch_threads
 from app.errors import install_error_handlers
-from app.routes import generative_scoring, health, score, sglang
+from app.metrics import Metrics
+from app.middleware import ObservabilityMiddleware
+from app.routes import generative_scoring, health, metrics, score, sglang
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -26,6 +28,7 @@ class Lifecycle:
 
     engine: Engine | None = None
     ready: bool = False
+    warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
     load_error: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -37,6 +40,11 @@ class Lifecycle:
         if self.engine is not None and not self.engine.batcher.alive and not self.draining:
             return "the batcher loop died"
         return None
+
+    def start_draining(self) -> None:
+        """SIGTERM (app/server.py) or shutdown: readiness fails from now on; work already received goes on."""
+        self.draining = True
+        self.ready = False
 
     def not_ready_reason(self) -> str:
         failure = self.failure()
@@ -56,6 +64,10 @@ def create_app(
 ) -> FastAPI:
     """Build the app. `loaded` skips loading (tests share one model); `on_fatal` is told when loading fails."""
     state = Lifecycle()
+    metrics_registry = Metrics(
+        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
+        prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
+    )
 
     async def bring_up() -> None:
         try:
@@ -66,13 +78,16 @@ def create_app(
                 model = await asyncio.to_thread(
                     load_model, settings.model, settings.device, settings.dtype, settings.cache_dir
                 )
+            dtype_name = str(model.dtype).removeprefix("torch.")
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
-                     str(model.dtype).removeprefix("torch."), model.load_seconds, model.vocab_size, model.max_length)
-            engine = Engine(model, settings)
+                     dtype_name, model.load_seconds, model.vocab_size, model.max_length)
+            metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
+            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch)
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
             state.engine = engine
+            state.warmed = True
             state.ready = not state.draining
             log.info("ready (warm-up %.2f s)", time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - a failed load must be reported, not swallowed by the task
@@ -87,8 +102,7 @@ def create_app(
         try:
             yield
         finally:
-            state.ready = False
-            state.draining = True
+            state.start_draining()
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
@@ -101,9 +115,13 @@ def create_app(
     )
     app.state.lifecycle = state
     app.state.settings = settings
+    app.state.metrics = metrics_registry
     install_error_handlers(app)
+    # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
     app.include_router(health.router)
     app.include_router(score.router)
+    app.include_router(metrics.router)
     app.include_router(sglang.router)
     app.include_router(generative_scoring.router)
     return app

@@ -60,6 +60,14 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt accepted (default: the model's maximum length)."""
 
+    # --- operations (issue 6): logs, shutdown ---
+    log_format: Literal["text", "json"] = "text"
+    """Log line format on stderr: `text`, or `json` (one object per line, for log collectors)."""
+    access_log: bool = True
+    """Log one line per HTTP request (probes and /metrics only at debug level), with its X-Request-ID."""
+    drain_timeout_s: float | None = Field(default=30.0, ge=0)
+    """After SIGTERM, how long requests already received may take to finish before they get a 503 (null: no limit)."""
+
     @model_validator(mode="after")
     def _check(self) -> "Settings":
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

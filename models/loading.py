@@ -161,3 +161,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
         pad_token_id=int(pad_token_id),
         load_seconds=time.perf_counter() - started,
     )
+
+
+def converted_weights_dir(spec: str, cache_root: Path) -> Path | None:
+    """Where the converted weights of `spec` are (or would be) cached; None when it is not a GGUF file."""
+    source = resolve_source(spec)
+    return None if source.gguf_file is None else _gguf_cache_dir(source, cache_root)

@@ -20,8 +20,9 @@ class FastJSONResponse(Response):
 
 
 def ready_engine(request: Request) -> Engine:
-    """The engine, or 503 while the model loads, warms up, or drains."""
+    """The engine, or 503 while the model loads or warms up. While draining after SIGTERM the engine still
+    serves: uvicorn has stopped accepting connections, so every request that gets here was received before."""
     state = request.app.state.lifecycle
-    if not state.ready or state.engine is None:
+    if not state.warmed or state.engine is None or state.failure() is not None:
         raise ServiceUnavailableError(state.not_ready_reason())
     return state.engine

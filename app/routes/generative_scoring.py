@@ -66,6 +66,7 @@ async def generative_scoring(request: GenerativeScoringRequest, raw: Request, en
     ))
     base_id = raw.headers.get("X-Request-Id") or request.request_id or uuid.uuid4().hex
     usage = out["usage"]
+    raw.app.state.metrics.observe_usage(usage)
     return FastJSONResponse({
         "id": f"generative-scoring-{base_id}",
         "object": "list",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from app.engine import Engine
 from app.routes.common import FastJSONResponse, ready_engine
@@ -14,5 +14,7 @@ _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 @router.post("/score", response_model=ScoreResponse, responses=_ERRORS, response_class=FastJSONResponse)
-async def score(request: ScoreRequest, engine: Engine = Depends(ready_engine)):
-    return FastJSONResponse(await engine.score(request))
+async def score(request: ScoreRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
+    body = await engine.score(request)
+    http_request.app.state.metrics.observe_usage(body["usage"])
+    return FastJSONResponse(body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.engine import Engine
@@ -61,13 +61,15 @@ def to_score_request(request: SGLangScoringRequest, engine: Engine) -> ScoreRequ
 
 
 @router.post("/v1/score", response_model=SGLangScoringResponse, responses=_ERRORS, response_class=FastJSONResponse)
-async def sglang_score(request: SGLangScoringRequest, engine: Engine = Depends(ready_engine)):
+async def sglang_score(request: SGLangScoringRequest, http_request: Request,
+                       engine: Engine = Depends(ready_engine)):
     engine.check_model(request.model)
     if not request.items:  # SGLang answers an empty item list with no scores
         scores, usage = [], {"prompt_tokens": 0, "total_tokens": 0}
     else:
         out = await engine.score(to_score_request(request, engine))
         scores, usage = [entry["scores"] for entry in out["data"]], out["usage"]
+        http_request.app.state.metrics.observe_usage(usage)
     return FastJSONResponse({
         "scores": scores,
         "model": engine.model_name,

