@@ -13,9 +13,10 @@ from fastapi import FastAPI
 
 from app.engine import Engine, set_torch_threads
 from app.errors import install_error_handlers
+from app.generation import Generator
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
-from app.routes import generative_scoring, health, metrics, score, sglang
+from app.routes import chat, completions, generative_scoring, health, metrics, score, sglang, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -27,6 +28,7 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
+    generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
     warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
@@ -39,6 +41,8 @@ class Lifecycle:
             return self.load_error
         if self.engine is not None and not self.engine.batcher.alive and not self.draining:
             return "the batcher loop died"
+        if self.generator is not None and not self.generator.alive and not self.draining:
+            return "the generation loop died"
         return None
 
     def start_draining(self) -> None:
@@ -86,6 +90,9 @@ def create_app(
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
+            generator = state.generator = Generator(model, settings)
+            generator.start()
+            await generator.warm_up()
             state.engine = engine
             state.warmed = True
             state.ready = not state.draining
@@ -106,6 +113,8 @@ def create_app(
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
+            if state.generator is not None:
+                await state.generator.stop()
 
     app = FastAPI(
         title="genscore",
@@ -122,6 +131,9 @@ def create_app(
     app.include_router(health.router)
     app.include_router(score.router)
     app.include_router(metrics.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(tokenize.router)
     app.include_router(sglang.router)
     app.include_router(generative_scoring.router)
     return app

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt accepted (default: the model's maximum length)."""
 
+    # --- OpenAI completions, chat and generation (issue 3) ---
+    max_choices: int = Field(default=128, ge=1)
+    """Most choices (prompts x n) in one /v1/completions or /v1/chat/completions request."""
+    max_cache_tokens: int = Field(default=65536, ge=1)
+    """Most KV-cache slots (decoding sequences x padded length) before new generation requests wait their turn."""
+
     # --- operations (issue 6): logs, shutdown ---
     log_format: Literal["text", "json"] = "text"
     """Log line format on stderr: `text`, or `json` (one object per line, for log collectors)."""
