@@ -18,7 +18,7 @@ from app.generation import Generator
 from app.limits import RequestGuard
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
-from app.routes import chat, completions, health, metrics, score, tokenize
+from app.routes import chat, completions, generative_scoring, health, metrics, score, sglang, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -71,7 +71,8 @@ def create_app(
     """Build the app. `loaded` skips loading (tests share one model); `on_fatal` is told when loading fails."""
     state = Lifecycle()
     metrics_registry = Metrics(
-        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None
+        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
+        prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
     )
 
     async def bring_up() -> None:
@@ -139,4 +140,6 @@ def create_app(
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize.router)
+    app.include_router(sglang.router)
+    app.include_router(generative_scoring.router)
     return app

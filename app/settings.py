@@ -108,3 +108,11 @@ class Settings(BaseSettings):
     def model_name(self) -> str:
         """The name the API reports and matches requests against."""
         return self.served_model_name or self.model
+
+    # --- scoring at scale: shared prefixes and multi-token candidates ---
+    share_prefixes: bool = True
+    """Run the common prefix of a request's prompts (its query) once and batch the items over its key/value states."""
+    prefix_cache_mb: float = Field(default=256.0, ge=0)
+    """Memory for the key/value states of recent shared prefixes, reused across batches and requests (0: off)."""
+    max_candidates: int = Field(default=256, ge=1)
+    """Most `candidates` in one /score request."""
