@@ -5,6 +5,7 @@ The only module that knows both models/ and sampler/.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -110,6 +111,9 @@ class Engine:
         self.max_prompt_tokens = min(settings.max_prompt_tokens or loaded.max_length, loaded.max_length)
         # One worker thread: torch already uses every core inside a forward pass.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
+        # issue 7: tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
+        # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
         self.batcher: Batcher[ScoreWork, ScoreOutcome] = Batcher(
             self.run_batch,
             tokens_of=lambda work: work.cost,
@@ -117,6 +121,8 @@ class Engine:
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_ms=settings.max_wait_ms,
+            max_queued_requests=settings.max_queued_requests,  # issue 7: bounded admission
+            retry_after_s=settings.retry_after_s,
             on_batch=on_batch,
         )
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
@@ -130,6 +136,7 @@ class Engine:
     async def stop(self) -> None:
         await self.batcher.stop()
         self._executor.shutdown(wait=True)
+        self._tokenize_executor.shutdown(wait=True)
 
     def warm_up(self) -> None:
         """Real batches through the same paths requests take, so the first caller does not pay for lazy init."""
@@ -379,7 +386,8 @@ class Engine:
         """Validate, queue every prompt of the request in the batcher, and build the /score response body."""
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompts = self.score_prompts(request)
+        loop = asyncio.get_running_loop()
+        prompts = await loop.run_in_executor(self._tokenize_executor, self.score_prompts, request)  # issue 7
         candidates = self.score_candidates(request, prompts)
         outcomes = await self.run_prompts(prompts, params, candidates)
         return self._score_response(request, params, prompts, candidates, outcomes)

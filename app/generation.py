@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 import sampler
-from app.errors import EngineError, ServiceUnavailableError
+from app.batcher import request_deadline
+from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
 from models.decoding import DecodeBatch, decode_step, lm_head_logits, merge, prefill, select_rows
@@ -125,6 +127,8 @@ class Generator:
         self.max_batch_size = settings.max_batch_size
         self.max_batch_tokens = settings.max_batch_tokens
         self.max_cache_tokens = settings.max_cache_tokens
+        self.max_queued_requests = settings.max_queued_requests
+        self.retry_after_s = settings.retry_after_s
         # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
         self.stop_token_ids = frozenset(_eos_ids(loaded))
@@ -175,12 +179,29 @@ class Generator:
         """
         if not self.alive:
             raise ServiceUnavailableError("the generation loop is not running")
+        # issue 7: a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
+        if len(self._waiting) >= self.max_queued_requests:
+            raise OverloadedError(
+                f"the server is overloaded: {self.max_queued_requests} prompts are already waiting to generate "
+                "(max_queued_requests); retry later", self.retry_after_s)
+        deadline = request_deadline.get()
         group = _Group(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
         self._waiting.append(group)
         self._wake.set()
         try:
             while True:
-                item = await group.queue.get()
+                if deadline is not None and group in self._waiting:  # not admitted yet: the deadline applies
+                    try:
+                        item = await asyncio.wait_for(group.queue.get(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        if group in self._waiting:
+                            raise DeadlineExceededError(
+                                "the request's deadline passed before its generation could start; the server is "
+                                "busy, retry later or allow more time (X-Request-Timeout)",
+                                code="deadline_exceeded") from None
+                        continue  # admitted just now: from here on it runs to the end
+                else:
+                    item = await group.queue.get()
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from app.auth import install_access_control
 from app.engine import Engine, set_torch_threads
-from app.errors import install_error_handlers
+from app.errors import edge_error_responses, install_error_handlers
 from app.generation import Generator
+from app.limits import RequestGuard
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
 from app.routes import chat, completions, generative_scoring, health, metrics, score, sglang, tokenize
@@ -121,11 +123,15 @@ def create_app(
         version="0.1.0",
         description="Generative scoring: the logprob of candidate tokens after a prompt, from a causal LM.",
         lifespan=lifespan,
+        responses=edge_error_responses(with_api_key=settings.api_key is not None),  # issue 7
     )
     app.state.lifecycle = state
     app.state.settings = settings
     app.state.metrics = metrics_registry
     install_error_handlers(app)
+    # issue 7: body cap, deadline and disconnect handling innermost, then the API key, then CORS.
+    app.add_middleware(RequestGuard, settings=settings)
+    install_access_control(app, settings)
     # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
     app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
     app.include_router(health.router)

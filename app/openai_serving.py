@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from app.engine import Engine, finite
 from app.errors import GenscoreError, InvalidRequestError, error_body
 from app.generation import ChoiceUpdate, GenerationParams, Generator, PositionLogprobs, PromptLogprobs
+from app.limits import check_limit
 from app.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields, TextPart
 from sampler import SamplingParams
 
@@ -187,6 +188,7 @@ class OpenAIServing:
                                           f"{self.settings.max_label_token_ids}", "logprob_token_ids")
             self._check_token_ids(list(ids_to_report), "logprob_token_ids")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        check_limit(max_tokens, self.settings.max_generated_tokens, "max_tokens", "max_generated_tokens")  # issue 7
         prompts, echo_texts = [], []
         for i, item in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -342,7 +344,9 @@ class OpenAIServing:
         ids = self.loaded.tokenizer(self.render_chat(request.messages), add_special_tokens=False)["input_ids"]
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        max_tokens = requested if requested is not None else max(0, self.loaded.max_length - len(ids))
+        check_limit(requested, self.settings.max_generated_tokens, param, "max_generated_tokens")  # issue 7
+        max_tokens = (requested if requested is not None
+                      else min(max(0, self.loaded.max_length - len(ids)), self.settings.max_generated_tokens))
         self._check_length(ids, max_tokens, "messages", param)
         params = GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), n=request.n, stop=self._stop(request),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
 
 from sampler import LogprobsMode
 
 TokenId = Annotated[int, Strict()]
-Number = Annotated[float, Strict()]  # ints are accepted as numbers, bools and strings are not
+# ints are accepted as numbers, bools and strings are not; nor NaN/Infinity, which Python's JSON parser lets through
+Number = Annotated[float, Strict(), AllowInfNan(False)]
 Flag = Annotated[bool, Strict()]
 
 
@@ -20,12 +21,14 @@ class _Strict(BaseModel):
 class ProcessorFields(_Strict):
     """Per-request logit processors; they shape the `processed_*` logprobs modes only."""
 
-    temperature: Number | None = Field(default=None, gt=0, description="Divide logits by this (> 0).")
+    # issue 7: a temperature below 0.01 (vLLM's floor too) or a bias beyond OpenAI's +-100 overflows float32
+    # logits into inf/NaN, which has no logprob; they are refused as 400 instead of failing in the batch.
+    temperature: Number | None = Field(default=None, ge=0.01, description="Divide logits by this (>= 0.01).")
     top_k: TokenId | None = Field(default=None, ge=-1, description="Keep the k most likely tokens (0 or -1: off).")
     top_p: Number | None = Field(default=None, gt=0, le=1, description="Keep the smallest set with this much mass.")
     min_p: Number | None = Field(default=None, ge=0, le=1, description="Drop tokens below min_p x the top probability.")
-    logit_bias: dict[str, Number] | None = Field(
-        default=None, description="Token id (as a string key, like OpenAI) -> bias added to its logit."
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(
+        default=None, description="Token id (as a string key, like OpenAI) -> bias in [-100, 100] added to its logit."
     )
 
 
