@@ -278,6 +278,23 @@ class Engine:
         """The model tokenizer's ids for text."""
         return self.loaded.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
+    def logit_bias_pairs(self, logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI-style {"<token id>": bias} -> (id, bias) pairs, each id checked against this model's vocabulary."""
+        pairs: list[tuple[int, float]] = []
+        for key, value in (logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            if not 0 <= token_id < self.loaded.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {self.loaded.vocab_size})",
+                    "logit_bias")
+            if not math.isfinite(value):
+                raise InvalidRequestError("logit_bias values must be finite", "logit_bias")
+            pairs.append((token_id, value))
+        return tuple(pairs)
+
     def sampling_params(self, request: ScoreRequest) -> SamplingParams:
         """Validate the per-request options against this model and server, once, before any batching."""
         if request.candidates is not None:
@@ -300,19 +317,7 @@ class Engine:
             raise InvalidRequestError(
                 f"top_logprobs = {request.top_logprobs} exceeds the server cap of {self.settings.max_top_logprobs}",
                 "top_logprobs")
-        bias: list[tuple[int, float]] = []
-        for key, value in (request.logit_bias or {}).items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-            if not 0 <= token_id < self.loaded.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token_id} is outside the vocabulary [0, {self.loaded.vocab_size})",
-                    "logit_bias")
-            if not math.isfinite(value):
-                raise InvalidRequestError("logit_bias values must be finite", "logit_bias")
-            bias.append((token_id, value))
+        bias = self.logit_bias_pairs(request.logit_bias)
         try:
             return SamplingParams(
                 logprobs_mode=request.logprobs_mode or self.settings.default_logprobs_mode,
@@ -320,7 +325,7 @@ class Engine:
                 top_k=request.top_k,
                 top_p=request.top_p,
                 min_p=request.min_p,
-                logit_bias=tuple(bias),
+                logit_bias=bias,
                 label_token_ids=tuple(request.label_token_ids or ()),
                 top_logprobs=request.top_logprobs,
             )

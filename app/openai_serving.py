@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -103,24 +102,12 @@ class OpenAIServing:
 
     # --- shared validation ---------------------------------------------------------------------------------------
     def _sampling(self, request: GenerationFields) -> SamplingParams:
-        bias: list[tuple[int, float]] = []
-        for key, value in (request.logit_bias or {}).items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-            if not 0 <= token_id < self.loaded.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token_id} is outside the vocabulary [0, {self.loaded.vocab_size})",
-                    "logit_bias")
-            if not math.isfinite(value):
-                raise InvalidRequestError("logit_bias values must be finite", "logit_bias")
-            bias.append((token_id, value))
+        bias = self.engine.logit_bias_pairs(request.logit_bias)
         try:
             return SamplingParams(
                 logprobs_mode=request.logprobs_mode or self.settings.default_logprobs_mode,
                 temperature=1.0 if request.temperature is None else request.temperature,
-                top_k=request.top_k, top_p=request.top_p, min_p=request.min_p, logit_bias=tuple(bias))
+                top_k=request.top_k, top_p=request.top_p, min_p=request.min_p, logit_bias=bias)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
 
