@@ -1,4 +1,4 @@
-"""Dynamic batcher: one asyncio queue, one consumer task, one Future per unit of work; batches close on size, token budget or max wait."""
+"""Dynamic batcher: bounded admission, one queue, one consumer task, a Future per unit of work; a failing batch is split until the failing unit stands alone."""
 
 from __future__ import annotations
 
@@ -7,22 +7,41 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from app.errors import EngineError, ServiceUnavailableError
+from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 
 log = logging.getLogger("genscore.batcher")
 
 W = TypeVar("W")  # a unit of work, e.g. one sequence to score
 R = TypeVar("R")  # its result
 
+request_deadline: ContextVar[float | None] = ContextVar("genscore_request_deadline", default=None)
+"""time.monotonic() by which the current request's work must have started; set per HTTP request (app/limits.py)
+so every route that submits work gets its deadline without threading it through each call."""
 
-@dataclass
+
+@dataclass(eq=False)
+class _Ticket:
+    """One submit() call: its units share a deadline (which stops applying once one of them starts) and a fate
+    (once one of them fails, the others are dropped: the caller is answered with that error)."""
+
+    deadline: float | None
+    started: bool = False
+    failed: bool = False
+
+    def expired(self, now: float) -> bool:
+        return not self.started and self.deadline is not None and now >= self.deadline
+
+
+@dataclass(eq=False)
 class _Pending(Generic[W]):
     work: W
     tokens: int
     future: asyncio.Future
+    ticket: _Ticket
     enqueued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -36,13 +55,19 @@ class BatchStats:
     compute_s: float
 
 
+def _deadline_error() -> DeadlineExceededError:
+    return DeadlineExceededError("the request's deadline passed before its work could start; the server is busy, "
+                                 "retry later or allow more time (X-Request-Timeout)", code="deadline_exceeded")
+
+
 class Batcher(Generic[W, R]):
     """Coalesce units of work from many callers into calls of `handler(list[W]) -> list[R]`.
 
-    Shaped like Ray Serve's batcher: a failed batch sets the exception on every
-    Future in it and the loop keeps running; a cancelled caller's units are
-    dropped before they reach the handler. The handler runs in `executor` so the
-    event loop (probes, request parsing) stays responsive during a forward pass.
+    Shaped like Ray Serve's batcher: one consumer task, a Future per unit; a cancelled caller's units are
+    dropped before they reach the handler. Admission is bounded: at most `max_queued_requests` callers wait at
+    once and the next one is refused at once (503 + Retry-After). A batch that raises is retried in halves, so
+    only a unit that fails on its own fails its caller (500) and every other caller gets its result. The handler
+    runs in `executor` so the event loop (probes, request parsing) stays responsive during a forward pass.
     """
 
     def __init__(
@@ -54,6 +79,8 @@ class Batcher(Generic[W, R]):
         max_batch_size: int,
         max_batch_tokens: int,
         max_wait_ms: float,
+        max_queued_requests: int = 1024,
+        retry_after_s: int = 1,
         on_batch: Callable[[BatchStats], None] | None = None,
     ):
         self._handler = handler
@@ -62,11 +89,14 @@ class Batcher(Generic[W, R]):
         self._max_batch_size = max_batch_size
         self._max_batch_tokens = max_batch_tokens
         self._max_wait_s = max_wait_ms / 1000.0
+        self._max_queued_requests = max_queued_requests
+        self._retry_after_s = retry_after_s
         self._on_batch = on_batch
         self._queue: asyncio.Queue[_Pending[W]] = asyncio.Queue()
         self._carry: _Pending[W] | None = None  # a unit that did not fit the last batch goes first next time
         self._task: asyncio.Task | None = None
-        self._inflight: list[_Pending[W]] = []  # the batch being computed
+        self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
+        self._admitted = 0  # submit() calls not yet answered
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -93,16 +123,53 @@ class Batcher(Generic[W, R]):
     def waiting(self) -> int:
         return self._queue.qsize() + (self._carry is not None)
 
+    @property
+    def admitted(self) -> int:
+        """Requests (submit calls) queued or running now; never more than max_queued_requests."""
+        return self._admitted
+
     # --- callers -------------------------------------------------------------------
-    async def submit(self, works: Sequence[W]) -> list[R]:
-        """Queue `works` and wait for their results, in order. Cancelling the caller drops its queued units."""
+    async def submit(self, works: Sequence[W], deadline: float | None = None) -> list[R]:
+        """Queue `works` and wait for their results, in order.
+
+        Raises OverloadedError (503) at once when `max_queued_requests` callers are already waiting, and
+        DeadlineExceededError (504) when `deadline` (time.monotonic(); default: this request's
+        `request_deadline`) passes before any of the units has started. Cancelling the caller drops its
+        units that have not started.
+        """
         if not self.alive:
             raise ServiceUnavailableError("the batcher is not running")
+        if self._admitted >= self._max_queued_requests:
+            raise OverloadedError(
+                f"the server is overloaded: {self._max_queued_requests} requests are already queued "
+                "(max_queued_requests); retry later", self._retry_after_s)
+        if deadline is None:
+            deadline = request_deadline.get()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _deadline_error()
+        if not works:
+            return []
         loop = asyncio.get_running_loop()
-        pending = [_Pending(w, self._tokens_of(w), loop.create_future()) for w in works]
-        for p in pending:
-            self._queue.put_nowait(p)
-        return list(await asyncio.gather(*(p.future for p in pending)))
+        ticket = _Ticket(deadline)
+        pending = [_Pending(w, self._tokens_of(w), loop.create_future(), ticket) for w in works]
+        futures = [p.future for p in pending]
+        self._admitted += 1
+        try:
+            for p in pending:
+                self._queue.put_nowait(p)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, not_done = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if not_done and not any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                # The deadline passed. Work that has started runs to the end; work that has not is dropped.
+                if not ticket.started:
+                    raise _deadline_error()
+                await asyncio.wait(not_done, return_when=asyncio.FIRST_EXCEPTION)
+            return _results_in_order(futures)
+        finally:
+            self._admitted -= 1
+            for f in futures:
+                if not f.done():
+                    f.cancel()  # the consumer skips cancelled units; a unit being computed finishes unheard
 
     # --- the consumer --------------------------------------------------------------
     async def _next(self, timeout: float | None) -> _Pending[W] | None:
@@ -131,12 +198,16 @@ class Batcher(Generic[W, R]):
             pending = await self._next(timeout)
             if pending is None:
                 break
-            if pending.future.done():  # caller went away (cancelled) while queued
+            if _abandoned(pending):  # caller went away (cancelled) or already failed while queued
+                continue
+            if pending.ticket.expired(time.monotonic()):
+                pending.future.set_exception(_deadline_error())
                 continue
             new_longest = max(longest, pending.tokens)
             if batch and new_longest * (len(batch) + 1) > self._max_batch_tokens:
                 self._carry = pending
                 break
+            pending.ticket.started = True
             batch.append(pending)
             longest = new_longest
             if deadline is None:
@@ -144,41 +215,54 @@ class Batcher(Generic[W, R]):
         return batch
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect()
-            batch = [p for p in batch if not p.future.done()]
-            if not batch:
-                continue
-            started = time.perf_counter()
-            self._inflight = batch
-            try:
-                results = await loop.run_in_executor(self._executor, self._handler, [p.work for p in batch])
-                if len(results) != len(batch):
-                    raise RuntimeError(f"handler returned {len(results)} results for {len(batch)} units")
-            except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about it
-                log.exception("batch of %d failed", len(batch))
-                error = exc if isinstance(exc, EngineError) else EngineError("the model failed on this batch")
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(error)
-                self._inflight = []
-                continue
             # Not in a `finally`: if the loop itself is cancelled, _on_loop_exit must still see this batch.
+            self._inflight = batch
+            await self._run(batch)
             self._inflight = []
-            for p, result in zip(batch, results):
-                if not p.future.done():
-                    p.future.set_result(result)
-            if self._on_batch is not None:
-                longest = max(p.tokens for p in batch)
-                self._on_batch(
-                    BatchStats(
-                        size=len(batch),
-                        padded_tokens=longest * len(batch),
-                        queue_wait_s=started - min(p.enqueued_at for p in batch),
-                        compute_s=time.perf_counter() - started,
-                    )
-                )
+
+    async def _run(self, batch: list[_Pending[W]]) -> None:
+        """Compute `batch`; when it raises, retry each half, so one bad unit (or an out-of-memory batch) only
+        fails the units that fail on their own."""
+        batch = [p for p in batch if not _abandoned(p)]
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._handler, [p.work for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"handler returned {len(results)} results for {len(batch)} units")
+        except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about it
+            if len(batch) > 1:
+                # Type only: the message of a model error can quote the input, and request content stays out of logs.
+                log.warning("batch of %d failed (%s); retrying it in halves", len(batch), type(exc).__name__)
+                half = len(batch) // 2
+                await self._run(batch[:half])
+                await self._run(batch[half:])
+                return
+            log.error("a unit of work failed on its own; its caller gets a 500", exc_info=exc)
+            batch[0].ticket.failed = True
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc if isinstance(exc, EngineError)
+                                              else EngineError("the model failed on this request"))
+            return
+        for p, result in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(result)
+        if self._on_batch is not None:
+            longest = max(p.tokens for p in batch)
+            stats = BatchStats(
+                size=len(batch),
+                padded_tokens=longest * len(batch),
+                queue_wait_s=started - min(p.enqueued_at for p in batch),
+                compute_s=time.perf_counter() - started,
+            )
+            try:
+                self._on_batch(stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
+                log.exception("on_batch callback failed")
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         """Whatever ended the loop, nobody may wait forever: fail every queued caller at once."""
@@ -192,3 +276,20 @@ class Batcher(Generic[W, R]):
         for p in stranded:
             if not p.future.done():
                 p.future.set_exception(error)
+
+
+def _abandoned(pending: _Pending) -> bool:
+    """Whether nobody waits for this unit any more; a unit whose request already failed is cancelled here."""
+    if pending.ticket.failed and not pending.future.done():
+        pending.future.cancel()
+    return pending.future.done()
+
+
+def _results_in_order(futures: list[asyncio.Future]) -> list:
+    """Every future's result, or the first error in submit order (the others' errors are read so asyncio does
+    not report them as never retrieved)."""
+    errors = [f.exception() for f in futures if f.done() and not f.cancelled()]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]

@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from app.auth import install_access_control
 from app.engine import Engine, set_torch_threads
-from app.errors import install_error_handlers
+from app.errors import edge_error_responses, install_error_handlers
+from app.generation import Generator
+from app.limits import RequestGuard
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
-from app.routes import health, metrics, score
+from app.routes import chat, completions, generative_scoring, health, metrics, score, sglang, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -27,6 +30,7 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
+    generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
     warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
@@ -39,6 +43,8 @@ class Lifecycle:
             return self.load_error
         if self.engine is not None and not self.engine.batcher.alive and not self.draining:
             return "the batcher loop died"
+        if self.generator is not None and not self.generator.alive and not self.draining:
+            return "the generation loop died"
         return None
 
     def start_draining(self) -> None:
@@ -65,7 +71,8 @@ def create_app(
     """Build the app. `loaded` skips loading (tests share one model); `on_fatal` is told when loading fails."""
     state = Lifecycle()
     metrics_registry = Metrics(
-        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None
+        queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
+        prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
     )
 
     async def bring_up() -> None:
@@ -85,6 +92,9 @@ def create_app(
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
+            generator = state.generator = Generator(model, settings)
+            generator.start()
+            await generator.warm_up()
             state.engine = engine
             state.warmed = True
             state.ready = not state.draining
@@ -105,20 +115,31 @@ def create_app(
             bring_up_task.cancel()
             if state.engine is not None:
                 await state.engine.stop()
+            if state.generator is not None:
+                await state.generator.stop()
 
     app = FastAPI(
         title="genscore",
         version="0.1.0",
         description="Generative scoring: the logprob of candidate tokens after a prompt, from a causal LM.",
         lifespan=lifespan,
+        responses=edge_error_responses(with_api_key=settings.api_key is not None),  # issue 7
     )
     app.state.lifecycle = state
     app.state.settings = settings
     app.state.metrics = metrics_registry
     install_error_handlers(app)
+    # issue 7: body cap, deadline and disconnect handling innermost, then the API key, then CORS.
+    app.add_middleware(RequestGuard, settings=settings)
+    install_access_control(app, settings)
     # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
     app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
     app.include_router(health.router)
     app.include_router(score.router)
     app.include_router(metrics.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(tokenize.router)
+    app.include_router(sglang.router)
+    app.include_router(generative_scoring.router)
     return app

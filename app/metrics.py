@@ -15,7 +15,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.batcher import BatchStats
@@ -52,11 +52,35 @@ class _QueueCollector(Collector):
         )
 
 
+class _PrefixCacheCollector(Collector):
+    """The shared-prefix cache's counters (models/prefix.py PrefixCacheStats), read at scrape time."""
+
+    def __init__(self, read: Callable[[], object | None]):
+        self._read = read
+
+    def collect(self):
+        stats = self._read()
+        hits, misses, evictions, entries, size = (
+            (stats.hits, stats.misses, stats.evictions, stats.entries, stats.bytes) if stats is not None else (0,) * 5
+        )
+        yield CounterMetricFamily("genscore_prefix_cache_hits", "Shared prefixes found in the prefix cache.",
+                                  value=hits)
+        yield CounterMetricFamily("genscore_prefix_cache_misses", "Shared prefixes computed (not in the cache).",
+                                  value=misses)
+        yield CounterMetricFamily("genscore_prefix_cache_evictions", "Prefixes dropped to stay within the cache size.",
+                                  value=evictions)
+        yield GaugeMetricFamily("genscore_prefix_cache_entries", "Prefixes held in the prefix cache.", value=entries)
+        yield GaugeMetricFamily("genscore_prefix_cache_bytes", "Bytes of key/value states held in the prefix cache.",
+                                value=size)
+
+
 class Metrics:
     """Every genscore metric, on its own registry so that several apps in one process (tests) never collide."""
 
-    def __init__(self, queue_counts: Callable[[], tuple[int, int] | None] = lambda: None):
-        """`queue_counts` returns (waiting, running) of the batcher, or None before the engine exists."""
+    def __init__(self, queue_counts: Callable[[], tuple[int, int] | None] = lambda: None,
+                 prefix_cache_stats: Callable[[], object | None] = lambda: None):
+        """`queue_counts` returns (waiting, running) of the batcher, `prefix_cache_stats` the engine's
+        PrefixCacheStats; each None before the engine exists."""
         # No `*_created` series: they double the output and no dashboard reads them (a process-wide switch).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -106,7 +130,13 @@ class Metrics:
         self.model_load_seconds = Gauge(
             "genscore_model_load_seconds", "How long loading the model took at start-up.", registry=registry,
         )
+        self.cached_prompt_tokens = Counter(
+            "genscore_prompt_tokens_cached",
+            "Prompt tokens whose key/value states were reused from a shared prefix instead of computed.",
+            registry=registry,
+        )
         registry.register(_QueueCollector(queue_counts))
+        registry.register(_PrefixCacheCollector(prefix_cache_stats))
 
     # --- feeders -------------------------------------------------------------------
     def observe_batch(self, stats: BatchStats) -> None:
@@ -119,6 +149,7 @@ class Metrics:
     def observe_usage(self, usage: dict) -> None:
         """Count an answered request's OpenAI-shaped `usage` (prompt_tokens, and completion_tokens when generating)."""
         self.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
+        self.cached_prompt_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         self.generation_tokens.inc(usage.get("completion_tokens") or 0)
 
     def set_model(self, model: str, device: str, dtype: str, load_seconds: float) -> None:

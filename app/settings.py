@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt accepted (default: the model's maximum length)."""
 
+    # --- OpenAI completions, chat and generation (issue 3) ---
+    max_choices: int = Field(default=128, ge=1)
+    """Most choices (prompts x n) in one /v1/completions or /v1/chat/completions request."""
+    max_cache_tokens: int = Field(default=65536, ge=1)
+    """Most KV-cache slots (decoding sequences x padded length) before new generation requests wait their turn."""
+
     # --- operations (issue 6): logs, shutdown ---
     log_format: Literal["text", "json"] = "text"
     """Log line format on stderr: `text`, or `json` (one object per line, for log collectors)."""
@@ -67,6 +73,30 @@ class Settings(BaseSettings):
     """Log one line per HTTP request (probes and /metrics only at debug level), with its X-Request-ID."""
     drain_timeout_s: float | None = Field(default=30.0, ge=0)
     """After SIGTERM, how long requests already received may take to finish before they get a 503 (null: no limit)."""
+
+    # --- reliability and security (issue 7) ---
+    max_queued_requests: int = Field(default=256, ge=1)
+    """Most requests admitted to the batcher at once (queued or running); beyond it a request gets 503 at once."""
+    max_open_requests: int = Field(default=1024, ge=1)
+    """Most HTTP requests in progress at once (being read, validated, queued or computed); beyond it a request
+    gets 503 before its body is read, so a flood cannot pile up in front of the queue. Probes are exempt."""
+    retry_after_s: int = Field(default=1, ge=0)
+    """`Retry-After` seconds sent with the 503 of a full queue."""
+    request_timeout_s: float = Field(default=30.0, ge=0)
+    """Deadline of a request: 504 when it passes before its work reaches the model (0 = none). The
+    `X-Request-Timeout` header (seconds) can shorten it per request."""
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1)
+    """Largest request body accepted; a larger one gets 413 (2 MiB holds 1024 items of a few hundred tokens)."""
+    max_generated_tokens: int = Field(default=2048, ge=0)
+    """Cap on `max_tokens` / `max_completion_tokens` (tokens generated per choice) in the completion routes; also
+    the default of chat requests that set none. (`n` is capped by max_choices.)"""
+    api_key: SecretStr | None = Field(default=None, min_length=1)
+    """When set, every route except the probes (and /metrics with --public-metrics) needs
+    `Authorization: Bearer <key>`."""
+    public_metrics: bool = True
+    """Serve /metrics without the API key (for Prometheus scrapers)."""
+    cors_allow_origins: list[str] = []
+    """Origins allowed to call the API from a browser (CORS); empty = CORS off. `*` allows any."""
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
@@ -78,3 +108,11 @@ class Settings(BaseSettings):
     def model_name(self) -> str:
         """The name the API reports and matches requests against."""
         return self.served_model_name or self.model
+
+    # --- scoring at scale: shared prefixes and multi-token candidates ---
+    share_prefixes: bool = True
+    """Run the common prefix of a request's prompts (its query) once and batch the items over its key/value states."""
+    prefix_cache_mb: float = Field(default=256.0, ge=0)
+    """Memory for the key/value states of recent shared prefixes, reused across batches and requests (0: off)."""
+    max_candidates: int = Field(default=256, ge=1)
+    """Most `candidates` in one /score request."""

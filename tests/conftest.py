@@ -16,11 +16,11 @@ import uvicorn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_TIERS = ("unit", "api", "integration", "ops")
+_TIERS = ("unit", "api", "integration", "ops", "reliability")
 
 
 def pytest_collection_modifyitems(items):
-    """Mark each test by its folder: tests/unit -> unit, tests/api -> api, tests/integration -> integration."""
+    """Mark each test by its folder: tests/unit -> unit, tests/api -> api, tests/integration -> integration, ..."""
     for item in items:
         for tier in _TIERS:
             if f"{os.sep}tests{os.sep}{tier}{os.sep}" in str(item.fspath):

@@ -1,15 +1,17 @@
-"""The dynamic batcher: coalescing, limits, per-caller results, failures and cancellation."""
+"""The dynamic batcher: coalescing, limits, per-caller results, admission, deadlines, failures and cancellation."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from app.batcher import Batcher
-from app.errors import EngineError, ServiceUnavailableError
+from app.batcher import Batcher, request_deadline
+from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 
 
 class Recorder:
@@ -71,15 +73,137 @@ async def test_token_budget_counts_padding():
     await batcher.stop()
 
 
-async def test_failed_batch_reaches_every_caller_and_loop_keeps_serving():
+async def test_failed_batch_is_split_so_only_the_failing_unit_fails():
     handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch))
     batcher = make(handler)
     batcher.start()
-    outcomes = await asyncio.gather(batcher.submit([("bad", 1)]), batcher.submit([("ok", 1)]), return_exceptions=True)
-    assert all(isinstance(o, EngineError) for o in outcomes)
-    assert "boom" not in str(outcomes[0])  # the cause goes to the log, not to clients
+    callers = [[("ok0", 1)], [("ok1", 1), ("ok2", 1)], [("bad", 1)], [("ok3", 1)], [("ok4", 1), ("ok5", 1)]]
+    outcomes = await asyncio.gather(*(batcher.submit(w) for w in callers), return_exceptions=True)
+    assert isinstance(outcomes[2], EngineError) and "boom" not in str(outcomes[2])  # the cause goes to the log only
+    for works, got in zip(callers, outcomes):
+        if works[0][0] != "bad":
+            assert got == [("done", w) for w in works]
+    assert len(handler.batches[0]) == 7  # they did share one batch, which failed
+    assert [w[0] for w in handler.batches[-1]] != ["bad"] or len(handler.batches) > 2
+    assert sum(b == [("bad", 1)] for b in handler.batches) == 1  # bisected down to the bad unit alone, once
     assert await batcher.submit([("after", 1)]) == [("done", ("after", 1))]
     assert batcher.alive
+    await batcher.stop()
+
+
+@pytest.mark.parametrize("oom", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("CUDA error: out of memory"), MemoryError()],
+                         ids=["torch.OutOfMemoryError", "RuntimeError", "MemoryError"])
+async def test_out_of_memory_batch_is_retried_smaller_and_everyone_succeeds(oom):
+    capacity = 3  # the "device" holds at most 3 units: bigger batches run out of memory
+
+    def handler(batch):
+        if len(batch) > capacity:
+            raise oom
+        return [("done", w) for w in batch]
+
+    batcher = make(handler, max_batch_size=16)
+    batcher.start()
+    callers = [[(f"r{i}u{j}", 1) for j in range(i % 3 + 1)] for i in range(8)]
+    results = await asyncio.gather(*(batcher.submit(w) for w in callers))
+    assert results == [[("done", w) for w in works] for works in callers]
+    await batcher.stop()
+
+
+async def test_a_request_with_a_failing_unit_fails_whole_and_its_other_units_are_dropped():
+    gate = threading.Event()
+    handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch), gate=gate)
+    batcher = make(handler, max_batch_size=1, max_wait_ms=0)
+    batcher.start()
+    request = asyncio.create_task(batcher.submit([("bad", 1), ("sibling", 1)]))
+    other = asyncio.create_task(batcher.submit([("other", 1)]))
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(EngineError):
+        await request
+    assert await other == [("done", ("other", 1))]
+    assert "sibling" not in [w[0] for b in handler.batches for w in b]
+    await batcher.stop()
+
+
+async def test_full_admission_queue_refuses_at_once_with_retry_after():
+    gate = threading.Event()
+    handler = Recorder(gate=gate)
+    batcher = make(handler, max_wait_ms=0, max_queued_requests=2, retry_after_s=7)
+    batcher.start()
+    admitted = [asyncio.create_task(batcher.submit([(f"a{i}", 1)])) for i in range(2)]
+    await asyncio.sleep(0.02)
+    with pytest.raises(OverloadedError) as refused:
+        await batcher.submit([("over", 1)])
+    assert refused.value.status_code == 503 and refused.value.headers == {"Retry-After": "7"}
+    assert "max_queued_requests" in refused.value.message
+    assert batcher.admitted == 2
+    gate.set()
+    assert [await t for t in admitted] == [[("done", ("a0", 1))], [("done", ("a1", 1))]]
+    assert batcher.admitted == 0
+    assert await batcher.submit([("later", 1)]) == [("done", ("later", 1))]  # room again once answered
+    assert "over" not in [w[0] for b in handler.batches for w in b]
+    await batcher.stop()
+
+
+async def test_admission_is_released_by_failures_and_cancellations():
+    gate = threading.Event()
+    handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch), gate=gate)
+    batcher = make(handler, max_wait_ms=0, max_queued_requests=3)
+    batcher.start()
+    first = asyncio.create_task(batcher.submit([("first", 1)]))
+    bad = asyncio.create_task(batcher.submit([("bad", 1)]))
+    doomed = asyncio.create_task(batcher.submit([("doomed", 1)]))
+    await asyncio.sleep(0.02)
+    doomed.cancel()
+    gate.set()
+    await first
+    with pytest.raises(EngineError):
+        await bad
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert batcher.admitted == 0
+    await batcher.stop()
+
+
+async def test_deadline_passing_in_the_queue_is_504_and_the_work_never_runs():
+    gate = threading.Event()
+    handler = Recorder(gate=gate)
+    batcher = make(handler, max_wait_ms=0)
+    batcher.start()
+    blocker = asyncio.create_task(batcher.submit([("blocker", 1)]))
+    await asyncio.sleep(0.02)  # "blocker" holds the worker
+    with pytest.raises(DeadlineExceededError) as late:
+        await batcher.submit([("late", 1)], deadline=time.monotonic() + 0.05)
+    assert late.value.status_code == 504
+    gate.set()
+    await blocker
+    assert await batcher.submit([("next", 1)]) == [("done", ("next", 1))]
+    assert "late" not in [w[0] for b in handler.batches for w in b]
+    await batcher.stop()
+
+
+async def test_deadline_of_the_request_context_is_used_and_started_work_finishes():
+    gate = threading.Event()
+    handler = Recorder(gate=gate)
+    batcher = make(handler, max_wait_ms=0)
+    batcher.start()
+
+    async def submit_with_context_deadline(works, seconds):
+        request_deadline.set(time.monotonic() + seconds)  # as the request guard does per HTTP request
+        return await batcher.submit(works)
+
+    started = asyncio.create_task(submit_with_context_deadline([("started", 1)], 0.05))
+    await asyncio.sleep(0.02)  # "started" is in the handler now, blocked on the gate
+    queued = asyncio.create_task(submit_with_context_deadline([("queued", 1)], 0.05))
+    await asyncio.sleep(0.1)  # both deadlines have passed
+    gate.set()
+    assert await started == [("done", ("started", 1))]  # a deadline never aborts work that started
+    with pytest.raises(DeadlineExceededError):
+        await queued
+    with pytest.raises(DeadlineExceededError):  # already past: refused before queueing
+        await batcher.submit([("x", 1)], deadline=time.monotonic() - 1)
+    assert [w[0] for b in handler.batches for w in b] == ["started"]
     await batcher.stop()
 
 
@@ -129,4 +253,18 @@ async def test_wrong_result_count_is_an_error_not_a_hang():
     batcher.start()
     with pytest.raises(EngineError):
         await asyncio.wait_for(batcher.submit([("a", 1)]), 2)
+    await batcher.stop()
+
+
+async def test_a_failing_on_batch_callback_does_not_end_the_loop():
+    def broken_metrics(stats):
+        raise ValueError("metrics bug")
+
+    batcher = Batcher(lambda batch: [("done", w) for w in batch], tokens_of=lambda w: 1,
+                      executor=ThreadPoolExecutor(1), max_batch_size=4, max_batch_tokens=100, max_wait_ms=1,
+                      on_batch=broken_metrics)
+    batcher.start()
+    assert await batcher.submit([("a", 1)]) == [("done", ("a", 1))]
+    assert await batcher.submit([("b", 1)]) == [("done", ("b", 1))]
+    assert batcher.alive
     await batcher.stop()

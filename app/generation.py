@@ -1,0 +1,438 @@
+"""Text generation with continuous batching: one loop, one worker thread, a KV cache that sequences join and leave
+between decode steps; the sampler samples and gives every returned logprob.
+
+With engine.py, the only module that knows both models/ and sampler/ (generation needs the model's KV cache and
+the sampler's `sample`/`score` in the same step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+import sampler
+from app.batcher import request_deadline
+from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
+from app.settings import Settings
+from models import LoadedModel
+from models.decoding import DecodeBatch, decode_step, lm_head_logits, merge, prefill, select_rows
+from sampler import SamplingParams
+
+log = logging.getLogger("genscore.generation")
+
+# prompt positions go through lm_head and the sampler this many at a time: [512, V] float32 is 100 MB at V = 49k
+_PROMPT_LOGPROBS_CHUNK = 512
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n choices far apart
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How to continue one prompt. `sampling` holds the processors and the logprobs mode."""
+
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # top-N at each generated position; None = no logprobs for generated tokens
+    prompt_logprobs: bool = False  # the logprob of every prompt token after the first (echo with logprobs)
+    logprob_token_ids: tuple[int, ...] = ()  # also report these ids' values at every reported position
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class PositionLogprobs:
+    """The numbers at one position, all read from one snapshot under the request's logprobs mode."""
+
+    token_id: int  # the token at this position (prompt token or the one sampled)
+    value: float
+    top: list[tuple[int, float]]  # (token id, value), best first
+    requested: list[float]  # values of logprob_token_ids, in their order
+
+
+@dataclass
+class PromptLogprobs:
+    """First event of a request with prompt_logprobs: entry i is prompt token i's logprobs (entry 0 is None)."""
+
+    positions: list[PositionLogprobs | None]
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one decode step added to one choice: the token, the text that became final, maybe the end."""
+
+    choice: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+
+
+# --- state of the loop (touched by the worker thread during a step, by the event loop between steps) ---------------
+
+@dataclass(eq=False)
+class _Group:
+    """One prompt and its n choices."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    queue: asyncio.Queue
+    cancelled: bool = False
+    unfinished: int = 0
+
+
+@dataclass(eq=False)
+class _Choice:
+    group: _Group
+    index: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    next_token: int = -1  # sampled, not yet fed to the model
+    text: str = ""  # decoded output, stop string cut off
+    sent: int = 0  # characters of `text` already handed out
+
+
+_DONE = object()
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """Characters at the end of `text` that must wait: an incomplete UTF-8 character, or a possible stop-string start."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+class Generator:
+    """Owns the decode loop; `generate()` streams ChoiceUpdates for one prompt."""
+
+    def __init__(self, loaded: LoadedModel, settings: Settings):
+        self.loaded = loaded
+        self.max_batch_size = settings.max_batch_size
+        self.max_batch_tokens = settings.max_batch_tokens
+        self.max_cache_tokens = settings.max_cache_tokens
+        self.max_queued_requests = settings.max_queued_requests
+        self.retry_after_s = settings.retry_after_s
+        # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
+        self._tokenizer = copy.deepcopy(loaded.tokenizer)
+        self.stop_token_ids = frozenset(_eos_ids(loaded))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
+        self._waiting: list[_Group] = []
+        self._admitting: list[_Group] = []  # taken from _waiting for the step in flight
+        self._batch: DecodeBatch | None = None  # rows of self._rows, in order
+        self._rows: list[_Choice] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0  # decode steps run (tests read it to see batching happen)
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="genscore-generation")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def warm_up(self) -> None:
+        """Two greedy tokens with prompt logprobs: prefill, a decode step and the sampler, before the first caller."""
+        ids = self.loaded.tokenizer("warm up", add_special_tokens=True)["input_ids"] or [self.loaded.pad_token_id]
+        params = GenerationParams(max_tokens=2, sampling=SamplingParams(temperature=0.0), logprobs=1,
+                                  prompt_logprobs=True)
+        async for _ in self.generate(ids, params):
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    # --- callers ---------------------------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
+        """Queue one prompt; yield its PromptLogprobs (when asked) then ChoiceUpdates until every choice finished.
+
+        Leaving the iteration early (or being cancelled) drops the prompt's choices from the batch.
+        """
+        if not self.alive:
+            raise ServiceUnavailableError("the generation loop is not running")
+        # issue 7: a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
+        if len(self._waiting) >= self.max_queued_requests:
+            raise OverloadedError(
+                f"the server is overloaded: {self.max_queued_requests} prompts are already waiting to generate "
+                "(max_queued_requests); retry later", self.retry_after_s)
+        deadline = request_deadline.get()
+        group = _Group(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
+        self._waiting.append(group)
+        self._wake.set()
+        try:
+            while True:
+                if deadline is not None and group in self._waiting:  # not admitted yet: the deadline applies
+                    try:
+                        item = await asyncio.wait_for(group.queue.get(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        if group in self._waiting:
+                            raise DeadlineExceededError(
+                                "the request's deadline passed before its generation could start; the server is "
+                                "busy, retry later or allow more time (X-Request-Timeout)",
+                                code="deadline_exceeded") from None
+                        continue  # admitted just now: from here on it runs to the end
+                else:
+                    item = await group.queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            group.cancelled = True  # no-op when finished; otherwise the next step drops its rows
+            if group in self._waiting:
+                self._waiting.remove(group)
+
+    # --- the loop (event loop side) --------------------------------------------------------------------------------
+    def _admit(self) -> list[_Group]:
+        """Waiting prompts that fit: decode rows under max_batch_size, prefill under max_batch_tokens, cache under
+        max_cache_tokens. With nothing running, the first waiting prompt is always taken, however big."""
+        self._waiting = [g for g in self._waiting if not g.cancelled]
+        admitted: list[_Group] = []
+        rows = len(self._rows)
+        width = self._batch.width if self._batch is not None else 0
+        longest = 0
+        for group in list(self._waiting):
+            new_longest = max(longest, len(group.prompt_ids))
+            new_rows = rows + group.params.n
+            cache_tokens = new_rows * (max(width, new_longest) + 1)
+            fits = (new_rows <= self.max_batch_size and new_longest * (len(admitted) + 1) <= self.max_batch_tokens
+                    and cache_tokens <= self.max_cache_tokens)
+            if not fits and (admitted or self._rows):
+                break  # first come, first served: nobody overtakes the head of the queue
+            admitted.append(group)
+            self._waiting.remove(group)
+            rows, longest = new_rows, new_longest
+        return admitted
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._rows and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            admitted = self._admit()
+            self._admitting = admitted  # not yet in _rows: if the loop dies now, these callers must hear it too
+            try:
+                events = await loop.run_in_executor(self._executor, self._step, admitted)
+            except Exception:  # noqa: BLE001 - every caller in the batch must hear about it
+                log.exception("generation step failed")
+                for group in {c.group for c in self._rows} | set(admitted):
+                    group.queue.put_nowait(EngineError("the model failed while generating"))
+                self._rows, self._batch, self._admitting = [], None, []
+                continue
+            self._admitting = []
+            for group, event in events:
+                group.queue.put_nowait(event)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        """Whatever ended the loop, nobody may wait forever."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("generation loop died", exc_info=task.exception())
+        for group in {c.group for c in self._rows} | set(self._waiting) | set(self._admitting):
+            group.queue.put_nowait(ServiceUnavailableError("the generation loop stopped"))
+        self._rows, self._batch, self._waiting, self._admitting = [], None, [], []
+
+    # --- one step (worker thread) ----------------------------------------------------------------------------------
+    def _step(self, admitted: list[_Group]) -> list[tuple[_Group, object]]:
+        """Drop cancelled rows, prefill the admitted prompts, then one decode step for every running row."""
+        events: list[tuple[_Group, object]] = []
+        keep = [i for i, c in enumerate(self._rows) if not c.group.cancelled]
+        if len(keep) != len(self._rows):
+            self._keep_rows(keep)
+        if admitted:
+            self._prefill(admitted, events)
+        if self._rows:
+            self._decode(events)
+        return events
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        self._batch = select_rows(self._batch, keep) if keep else None
+
+    @torch.inference_mode()
+    def _prefill(self, groups: list[_Group], events: list) -> None:
+        model, device = self.loaded.model, self.loaded.device
+        hidden, batch = prefill(model, [g.prompt_ids for g in groups], self.loaded.pad_token_id)  # [b, T, H]
+        width = hidden.shape[1]
+        last_logits = lm_head_logits(model, hidden[:, -1, :])  # [b, V]
+        new_rows: list[int] = []  # batch row of each new choice
+        new_choices: list[_Choice] = []
+        for row, group in enumerate(groups):
+            params = group.params
+            if params.prompt_logprobs:
+                start = width - len(group.prompt_ids)
+                events.append((group, PromptLogprobs(self._prompt_logprobs(hidden[row, start:], group))))
+            if params.max_tokens == 0:
+                group.unfinished = 0
+                for index in range(params.n):
+                    events.append((group, ChoiceUpdate(index, [], "", [] if params.logprobs is not None else None,
+                                                       "length")))
+                events.append((group, _DONE))
+                continue
+            for index in range(params.n):
+                new_choices.append(_Choice(group, index, _seeded_generator(params.seed, index, device)))
+                new_rows.append(row)
+        if not new_choices:
+            return
+        logits = last_logits.index_select(0, torch.tensor(new_rows, device=last_logits.device))  # [c, V]
+        still_running = self._sample_and_report(new_choices, logits, events)
+        if not still_running:
+            return
+        joined = select_rows(batch, [new_rows[i] for i in still_running])
+        self._rows += [new_choices[i] for i in still_running]
+        self._batch = merge(self._batch, joined)
+
+    @torch.inference_mode()
+    def _decode(self, events: list) -> None:
+        next_tokens = torch.tensor([c.next_token for c in self._rows], dtype=torch.long)  # [B]
+        logits = decode_step(self.loaded.model, self._batch, next_tokens)  # [B, V]
+        self.steps += 1
+        running = self._sample_and_report(self._rows, logits, events)
+        if len(running) != len(self._rows):
+            self._keep_rows(running)
+
+    def _sample_and_report(self, choices: list[_Choice], logits: torch.Tensor, events: list) -> list[int]:
+        """Sample one token per choice from logits [c, V], report it, and return the indices still running."""
+        params = [c.group.params for c in choices]
+        processed = self._penalized(logits, choices)  # [c, V]; the same tensor when no row has penalties
+        tokens = sampler.sample(processed, [p.sampling for p in params], [c.generator for c in choices]).tolist()
+        with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: dict[int, PositionLogprobs] = {}
+        if with_logprobs:
+            # raw modes read the model's logits, processed modes the penalized ones the token was drawn from
+            source = torch.stack([(processed if params[i].sampling.logprobs_mode.is_processed else logits)[i]
+                                  for i in with_logprobs])  # [r, V]
+            asked = [_position_params(params[i], tokens[i]) for i in with_logprobs]
+            for i, position in zip(with_logprobs, _score_positions(source, asked)):
+                logprobs[i] = position
+        running = []
+        for i, (choice, token) in enumerate(zip(choices, tokens)):
+            finish = self._advance(choice, token)
+            text = choice.text
+            if finish is None:
+                end = len(text) - held_back(text, choice.group.params.stop)
+            else:
+                end = len(text)
+            delta = text[choice.sent:end] if end > choice.sent else ""
+            choice.sent = max(choice.sent, end)
+            update = ChoiceUpdate(choice.index, [token], delta, [logprobs[i]] if i in logprobs else None, finish)
+            events.append((choice.group, update))
+            if finish is None:
+                running.append(i)
+            else:
+                choice.group.unfinished -= 1
+                if choice.group.unfinished == 0:
+                    events.append((choice.group, _DONE))
+        return running
+
+    def _advance(self, choice: _Choice, token: int) -> str | None:
+        """Append a sampled token; return the finish reason when the choice is done."""
+        params = choice.group.params
+        choice.output_ids.append(token)
+        choice.next_token = token
+        stopped_by_token = token in self.stop_token_ids
+        text_ids = choice.output_ids[:-1] if stopped_by_token else choice.output_ids
+        text = self._tokenizer.decode(text_ids, skip_special_tokens=True)
+        if params.stop:
+            # a stop string can only have appeared where the text changed (its start may reach back into old text)
+            search_from = max(0, len(choice.text) - max(len(s) for s in params.stop))
+            hits = [pos for pos in (text.find(s, search_from) for s in params.stop) if pos >= 0]
+            if hits:
+                choice.text = text[:min(hits)]
+                return "stop"
+        choice.text = text
+        if stopped_by_token:
+            return "stop"
+        if len(choice.output_ids) >= params.max_tokens:
+            return "length"
+        if len(choice.group.prompt_ids) + len(choice.output_ids) >= self.loaded.max_length:
+            return "length"
+        return None
+
+    def _penalized(self, logits: torch.Tensor, choices: list[_Choice]) -> torch.Tensor:
+        """Presence and frequency penalties over each choice's generated tokens (OpenAI's definition)."""
+        rows = [i for i, c in enumerate(choices) if c.group.params.penalized and c.output_ids]
+        if not rows:
+            return logits
+        out = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            p = choices[i].group.params
+            counts = torch.bincount(torch.tensor(choices[i].output_ids, device=logits.device), minlength=vocab)[:vocab]
+            out[i] -= counts.to(out.dtype) * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, group: _Group) -> list[PositionLogprobs | None]:
+        """hidden [L, H] of one prompt -> the logprob of tokens 1..L-1, each read from the position before it."""
+        ids = group.prompt_ids
+        positions: list[PositionLogprobs | None] = [None]
+        for start in range(0, len(ids) - 1, _PROMPT_LOGPROBS_CHUNK):
+            stop = min(start + _PROMPT_LOGPROBS_CHUNK, len(ids) - 1)
+            logits = lm_head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
+            asked = [_position_params(group.params, ids[j + 1]) for j in range(start, stop)]
+            positions += _score_positions(logits, asked)
+        return positions
+
+
+def _position_params(params: GenerationParams, token_id: int) -> SamplingParams:
+    """The sampler row that reads one position: the token there and logprob_token_ids as labels, plus the top-N."""
+    return dataclasses.replace(params.sampling, label_token_ids=(token_id, *params.logprob_token_ids),
+                               top_logprobs=params.logprobs or 0)
+
+
+def _score_positions(logits: torch.Tensor, asked: list[SamplingParams]) -> list[PositionLogprobs]:
+    rows = sampler.to_rows(sampler.score(logits, asked), asked)
+    return [PositionLogprobs(p.label_token_ids[0], r.label_values[0], list(zip(r.top_ids, r.top_values)),
+                             r.label_values[1:]) for p, r in zip(asked, rows)]
+
+
+def _seeded_generator(seed: int | None, choice: int, device: torch.device) -> torch.Generator | None:
+    """Choice i of a seeded request draws from its own stream, so a request is reproducible whatever its neighbours."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + choice * _GOLDEN_GAMMA) % (1 << 64))
+    return generator
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    """End-of-sequence ids: the tokenizer's and the model's generation config's (an int or a list)."""
+    ids = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    config_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif isinstance(config_eos, (list, tuple)):
+        ids.update(int(i) for i in config_eos)
+    return ids

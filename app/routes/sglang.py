@@ -1,0 +1,79 @@
+"""POST /v1/score: SGLang's scoring API, request and response as SGLang defines them, served by the genscore engine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.engine import Engine
+from app.errors import InvalidRequestError
+from app.routes.common import FastJSONResponse, ready_engine
+from app.schemas import ErrorResponse, Flag, ScoreRequest, TokenId
+
+router = APIRouter()
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
+
+
+class SGLangScoringRequest(BaseModel):
+    """SGLang's ScoringRequest. Text query and items are joined as text and tokenized together, as SGLang does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="Must match the served model name when given.")
+    query: str | list[TokenId] = Field(description="Query text, or its token ids.")
+    items: str | list[str] | list[list[TokenId]] = Field(
+        description="One item, or a list of item texts, or of token-id lists (the same kind as the query)."
+    )
+    label_token_ids: list[TokenId] = Field(description="Token ids whose next-token probability is returned.")
+    apply_softmax: Flag = Field(default=False, description="Softmax over the labels instead of model probabilities.")
+    item_first: Flag = Field(default=False, description="Put each item before the query.")
+
+
+class SGLangUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class SGLangScoringResponse(BaseModel):
+    scores: list[list[float]] = Field(description="Per item, one probability per label, in label order.")
+    model: str
+    usage: SGLangUsage | None = None
+    object: Literal["scoring"] = "scoring"
+
+
+def to_score_request(request: SGLangScoringRequest, engine: Engine) -> ScoreRequest:
+    """The same prompts SGLang builds, as a genscore /score request in raw_logprobs mode."""
+    items = [request.items] if isinstance(request.items, str) else request.items
+    if isinstance(request.query, str) != isinstance(items[0], str):
+        raise InvalidRequestError("query and items must both be text or both be token ids", "items")
+    common = dict(model=request.model, label_token_ids=request.label_token_ids, apply_softmax=request.apply_softmax,
+                  logprobs_mode="raw_logprobs")
+    if isinstance(request.query, str):
+        # SGLang concatenates the texts and tokenizes each whole prompt with the tokenizer's special tokens
+        texts = [item + request.query if request.item_first else request.query + item for item in items]
+        return ScoreRequest(query=[], items=[engine.tokenize(text) for text in texts], **common)
+    return ScoreRequest(query=request.query, items=items, item_first=request.item_first, **common)
+
+
+@router.post("/v1/score", response_model=SGLangScoringResponse, responses=_ERRORS, response_class=FastJSONResponse)
+async def sglang_score(request: SGLangScoringRequest, http_request: Request,
+                       engine: Engine = Depends(ready_engine)):
+    engine.check_model(request.model)
+    if not request.items:  # SGLang answers an empty item list with no scores
+        scores, usage = [], {"prompt_tokens": 0, "total_tokens": 0}
+    else:
+        out = await engine.score(to_score_request(request, engine))
+        scores, usage = [entry["scores"] for entry in out["data"]], out["usage"]
+        http_request.app.state.metrics.observe_usage(usage)
+    return FastJSONResponse({
+        "scores": scores,
+        "model": engine.model_name,
+        "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
+                  "completion_tokens": 0, "prompt_tokens_details": usage.get("prompt_tokens_details")},
+        "object": "scoring",
+    })

@@ -1,0 +1,238 @@
+"""Shared-prefix forward passes: prefill a prefix once, keep its key/value states, and run many suffixes over them."""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from models.forward import _lm_head_logits, pad_left
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """What a prefix leaves behind: per-layer keys and values, each [1, H, P, D], and the hidden state of its last token."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    last_hidden: torch.Tensor  # [hidden]: the logits of the token after the prefix come from it
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, self.last_hidden)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class SuffixRow:
+    """One sequence = prefix + suffix; `keep` is how many of its last positions to return hidden states for.
+
+    keep may be len(suffix) + 1: the extra position is the prefix's last token (whose hidden
+    state the prefix already holds), which predicts the suffix's first token.
+    """
+
+    prefix: PrefixState
+    suffix: tuple[int, ...]
+    keep: int = 1
+
+
+class _PrefixLayer(DynamicLayer):
+    """A read-only cache layer: attention sees the prefix states of each row, but nothing is appended.
+
+    Storing the grown states would keep every layer's [B, H, P + S, D] alive for the whole pass;
+    returning the concatenation instead frees it after the layer, as a cache-free pass does.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_prefix: torch.Tensor | None):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values  # [G, H, P, D]: the distinct prefixes, left-padded to P
+        self._row_prefix = row_prefix  # [B]: which prefix each row reads; None when G == 1
+
+    def _rows(self, states: torch.Tensor, batch: int) -> torch.Tensor:
+        if self._row_prefix is None:
+            return states.expand(batch, -1, -1, -1)  # a view: no copy of the shared prefix
+        return states.index_select(0, self._row_prefix)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        batch = key_states.shape[0]
+        keys = torch.cat([self._rows(self.keys, batch), key_states], dim=-2)  # [B, H, P + S, D]
+        values = torch.cat([self._rows(self.values, batch), value_states], dim=-2)
+        return keys, values
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache`; pass whichever this version's forward takes."""
+    params = inspect.signature(model.base_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def supports_prefix_reuse(model: PreTrainedModel) -> bool:
+    """True when the model's cache is plain full attention (no sliding window, no linear or recurrent layers).
+
+    Other caches drop or transform states in ways a shared read-only prefix cannot reproduce,
+    so those models score every sequence from scratch.
+    """
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - an exotic config simply opts out
+        return False
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+@torch.inference_mode()
+def prefill(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
+    """Run each prefix once (left-padded together) and keep its key/value states and last hidden state."""
+    device = model.device
+    input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
+    cache = DynamicCache(config=model.config)
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=True, **{_cache_kwarg(model): cache},
+    ).last_hidden_state  # [G, T, H]
+    width = input_ids.shape[1]
+    states = []
+    for row, tokens in enumerate(prefixes):
+        start = width - len(tokens)  # the row's real tokens sit at the right end
+        keys = tuple(layer.keys[row : row + 1, :, start:, :].clone() for layer in cache.layers)  # [1, H, P, D]
+        values = tuple(layer.values[row : row + 1, :, start:, :].clone() for layer in cache.layers)
+        states.append(PrefixState(tuple(tokens), keys, values, hidden[row, -1].clone()))
+    return states
+
+
+def _stack_prefixes(states: Sequence[PrefixState], layer: int, pick) -> torch.Tensor:
+    """The distinct prefixes of one layer, left-padded to the longest: [G, H, P, D]."""
+    tensors = [pick(state)[layer] for state in states]
+    longest = max(t.shape[-2] for t in tensors)
+    if len(tensors) == 1:
+        return tensors[0]
+    out = tensors[0].new_zeros((len(tensors), tensors[0].shape[1], longest, tensors[0].shape[3]))
+    for g, t in enumerate(tensors):
+        out[g, :, longest - t.shape[-2] :, :] = t[0]
+    return out
+
+
+@torch.inference_mode()
+def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int) -> torch.Tensor:
+    """Hidden states of the kept positions of every row, stacked row after row, oldest first: [N, H].
+
+    Rows may hang off different prefixes. Prefixes are left-padded to the longest (padding
+    masked out); suffixes are right-padded after them, so a real token never sees a pad and
+    its position id is simply prefix length + offset, the position it has in a plain pass.
+    """
+    device = model.device
+    distinct: dict[int, int] = {}
+    prefixes: list[PrefixState] = []
+    for row in rows:
+        if id(row.prefix) not in distinct:
+            distinct[id(row.prefix)] = len(prefixes)
+            prefixes.append(row.prefix)
+        if not 1 <= row.keep <= len(row.suffix) + 1:
+            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {row.keep} for {len(row.suffix)} tokens")
+    prefix_width = max(p.length for p in prefixes)
+    suffix_width = max(len(row.suffix) for row in rows)
+
+    hidden = None
+    if suffix_width > 0:
+        batch = len(rows)
+        input_ids = torch.full((batch, suffix_width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prefix_width + suffix_width), dtype=torch.long)
+        position_ids = torch.zeros((batch, suffix_width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            n = len(row.suffix)
+            if n:
+                input_ids[b, :n] = torch.tensor(row.suffix, dtype=torch.long)
+            attention_mask[b, prefix_width - row.prefix.length : prefix_width + n] = 1
+            position_ids[b] = torch.arange(row.prefix.length, row.prefix.length + suffix_width)
+        row_prefix = None
+        if len(prefixes) > 1:
+            row_prefix = torch.tensor([distinct[id(row.prefix)] for row in rows], dtype=torch.long, device=device)
+        n_layers = len(prefixes[0].keys)
+        cache = DynamicCache(config=model.config)
+        cache.layers = [
+            _PrefixLayer(_stack_prefixes(prefixes, i, lambda s: s.keys),
+                         _stack_prefixes(prefixes, i, lambda s: s.values), row_prefix)
+            for i in range(n_layers)
+        ]
+        hidden = model.base_model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device), use_cache=True, **{_cache_kwarg(model): cache},
+        ).last_hidden_state  # [B, S, H]
+
+    picked = []
+    for b, row in enumerate(rows):
+        n = len(row.suffix)
+        if row.keep == n + 1:
+            picked.append(row.prefix.last_hidden[None])  # [1, H]: the prefix's own last position
+        from_suffix = min(row.keep, n)
+        if from_suffix:
+            picked.append(hidden[b, n - from_suffix : n])  # [k, H]
+    return torch.cat(picked, dim=0)
+
+
+@torch.inference_mode()
+def logits_of(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] -> float32 logits [N, V] through lm_head (and the final soft-capping, where a model has one)."""
+    return _lm_head_logits(model, hidden)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of the prefix cache since start-up."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+
+
+class PrefixCache:
+    """LRU map from prefix tokens to their PrefixState, bounded by the bytes the states hold.
+
+    Used from the single forward thread only. capacity 0 turns it off (every lookup misses,
+    nothing is stored). A state larger than the whole capacity is never stored.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        self._entries: OrderedDict[tuple[int, ...], PrefixState] = OrderedDict()
+        self.stats = PrefixCacheStats(capacity_bytes=capacity_bytes)
+
+    def get(self, tokens: tuple[int, ...]) -> PrefixState | None:
+        state = self._entries.get(tokens)
+        if state is None:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(tokens)
+        self.stats.hits += 1
+        return state
+
+    def put(self, state: PrefixState) -> None:
+        size = state.nbytes
+        if size > self.stats.capacity_bytes or state.tokens in self._entries:
+            return
+        while self._entries and self.stats.bytes + size > self.stats.capacity_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.stats.bytes -= old.nbytes
+            self.stats.evictions += 1
+        self._entries[state.tokens] = state
+        self.stats.bytes += size
+        self.stats.entries = len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.stats.bytes = 0
+        self.stats.entries = 0

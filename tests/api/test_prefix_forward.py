@@ -1,0 +1,42 @@
+"""models/prefix.py on the tiny models: rows over one or several prefixes, of any suffix length (empty included),
+give the logits of a plain forward pass of each full sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import load_model
+from models.prefix import SuffixRow, forward_suffixes, logits_of, prefill, supports_prefix_reuse
+from tests.reference import position_logits
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
+def loaded(request, tiny_model_dirs):
+    return load_model(str(tiny_model_dirs[request.param]), "cpu", "float32")
+
+
+def test_rows_over_several_prefixes_equal_full_passes(loaded):
+    assert supports_prefix_reuse(loaded.model)
+    generator = torch.Generator().manual_seed(0)
+    short, long = (torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 13))
+    short_state, long_state = prefill(loaded.model, [short, long], loaded.pad_token_id)
+    assert short_state.keys[0].shape[-2] == 5 and long_state.keys[0].shape[-2] == 13
+    cases = [(short_state, short, [7, 8, 9], 3), (long_state, long, [11], 2), (short_state, short, [], 1),
+             (long_state, long, [12, 13, 14, 15, 16, 17], 4), (long_state, long, [], 1)]
+    rows = [SuffixRow(state, tuple(suffix), keep) for state, _, suffix, keep in cases]
+    got = logits_of(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    expected = torch.cat([position_logits(loaded.model, prefix + suffix)[-keep:] for _, prefix, suffix, keep in cases])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    # one prefix for every row: the states are expanded, not copied
+    rows = [SuffixRow(short_state, (5, 6), 1), SuffixRow(short_state, (8,), 2)]
+    got = logits_of(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    expected = torch.cat([position_logits(loaded.model, short + [5, 6])[-1:], position_logits(loaded.model, short + [8])])
+    torch.testing.assert_close(got, expected[[0, -2, -1]], atol=1e-4, rtol=0)
+
+
+def test_keep_beyond_the_suffix_is_refused(loaded):
+    (state,) = prefill(loaded.model, [[5, 6, 7]], loaded.pad_token_id)
+    with pytest.raises(ValueError, match="keep"):
+        forward_suffixes(loaded.model, [SuffixRow(state, (1,), 3)], loaded.pad_token_id)

@@ -1,0 +1,104 @@
+"""Reliability-tier helpers: faults injected inside the real forward pass, a gate that holds the model, and servers on
+127.0.0.1 with the limits under test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+import torch
+
+from app.main import create_app
+from tests.api.conftest import client, tiny_settings  # noqa: F401 - `client`: the in-process app on the tiny model
+from tests.conftest import live_server
+
+POISON = 13  # a token id that makes the injected fault fire when it reaches the model
+
+
+class ModelProbe:
+    """A forward pre-hook on the model's input embeddings: it sees the real [B, T] input ids of every forward pass,
+    records them, can hold the pass at a gate, and can raise inside the pass (the fault a broken or full device
+    would raise there)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seen: list[list[int]] = []  # every sequence that reached the model (pad ids included)
+        self.batch_sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()  # set when a forward pass has started (and may be waiting at the gate)
+        self.fault: Callable[[torch.Tensor], Exception | None] = lambda ids: None
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        ids = args[0]  # [B, T]
+        self.entered.set()
+        self.gate.wait(60)
+        self.batch_sizes.append(ids.shape[0])
+        self.seen.extend(ids.tolist())
+        error = self.fault(ids)
+        if error is not None:
+            raise error
+
+    def reached_model(self, ids: list[int]) -> bool:
+        """Whether this exact sequence (left-padded or not) ran through the model."""
+        n = len(ids)
+        return any(row[-n:] == ids for row in self.seen)
+
+    def remove(self) -> None:
+        self.gate.set()
+        self._handle.remove()
+
+
+@pytest.fixture
+def probe(tiny_loaded):
+    model_probe = ModelProbe(tiny_loaded.model)
+    yield model_probe
+    model_probe.remove()
+
+
+@contextlib.contextmanager
+def serving(tiny_loaded, **settings):
+    """A live server on 127.0.0.1 on the tiny Llama model with `settings`; yields (base_url, app)."""
+    app = create_app(tiny_settings(**settings), loaded=tiny_loaded)
+    with live_server(app) as base_url:
+        yield base_url, app
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll until `condition()` holds; a bound on waiting, never a measured time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+async def async_wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def score_body(ids: list[int], labels: list[int] | None = None, **extra) -> dict:
+    return {"query": ids, "label_token_ids": labels or [5, 9, 200], "top_logprobs": 3, **extra}
+
+
+def answer(response: httpx.Response) -> list:
+    """The numbers of a /score answer, to compare one request's answer alone and in a crowd."""
+    return [(d["label_logprobs"], [t["token_id"] for t in d["top_logprobs"] or []]) for d in response.json()["data"]]
+
+
+def same_answer(a: list, b: list, tol: float = 1e-4) -> bool:
+    if len(a) != len(b):
+        return False
+    for (la, ta), (lb, tb) in zip(a, b):
+        if ta != tb or len(la) != len(lb) or any(abs(x - y) > tol for x, y in zip(la, lb)):
+            return False
+    return True
