@@ -175,7 +175,7 @@ def main(argv=None) -> int:
             try:
                 runs = asyncio.run(drive(lambda c, url=server.base_url: LlamaClient(url, c, args.llama_top_k),
                                          workloads, concurrency, args.warmup))
-                results["systems"]["llama-server"] = {"dtype": "float32", "runs": runs,
+                results["systems"]["llama-server"] = {"dtype": f"GGUF {source.gguf_file}", "runs": runs,
                                                       "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s}
             finally:
                 server.stop()
