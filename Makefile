@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test clean
+.PHONY: install serve test bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,21 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest $(ARGS)
+
+# The side-by-side benchmark (README, "Performance"); BENCH_ARGS="--scoring-requests 32" etc.
+# It includes llama-server when `make bench-peers` has built it.
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_ARGS ?=
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.bench $(BENCH_ARGS)
+
+# Builds llama.cpp's llama-server (native CPU flags) from the llama-cpp-python sdist into .cache/bench.
+bench-peers: install
+	bash bench/build_llama_server.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

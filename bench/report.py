@@ -1,0 +1,219 @@
+"""Turn raw benchmark results into numbers (throughput, latency, matmul share, error vs reference), a markdown report and a chart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from bench.peak import prompt_flops
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _cell(run: dict, workload: dict, model: dict, peak_gflops: float) -> dict:
+    prompts = sum(workload["prompts"])
+    tokens = sum(sum(t) for t in workload["tokens"])
+    flops = sum(prompt_flops(t, model) for per_request in workload["tokens"] for t in per_request)
+    wall = run["wall_s"]
+    lat = run["latencies_s"]
+    gflops = flops / wall / 1e9
+    return {
+        "prompts_per_s": prompts / wall,
+        "tokens_per_s": tokens / wall,
+        "p50_ms": _percentile(lat, 0.50) * 1e3,
+        "p95_ms": _percentile(lat, 0.95) * 1e3,
+        "p99_ms": _percentile(lat, 0.99) * 1e3,
+        "gflops": gflops,
+        "peak_share": gflops / peak_gflops,
+    }
+
+
+def _errors(runs: dict, reference: dict) -> tuple[list[float], int, int]:
+    """Absolute differences from the reference over every scored label of every cell; scorable and total counts."""
+    diffs: list[float] = []
+    scored = total = 0
+    for name, by_level in runs.items():
+        for run in by_level.values():
+            for got_req, ref_req in zip(run["values"], reference[name]):
+                for got_prompt, ref_prompt in zip(got_req, ref_req):
+                    for got, ref in zip(got_prompt, ref_prompt):
+                        total += 1
+                        if got is not None:
+                            scored += 1
+                            diffs.append(abs(got - ref))
+    return diffs, scored, total
+
+
+def _variation(runs: dict) -> float:
+    """Largest spread of one label's value across the concurrency levels (different batch compositions)."""
+    worst = 0.0
+    for by_level in runs.values():
+        levels = list(by_level.values())
+        for per_request in zip(*(run["values"] for run in levels)):
+            for per_prompt in zip(*per_request):
+                for per_label in zip(*per_prompt):
+                    seen = [v for v in per_label if v is not None]
+                    if len(seen) > 1:
+                        worst = max(worst, max(seen) - min(seen))
+    return worst
+
+
+def summarise(results: dict) -> dict:
+    model = results["model"]
+    summary: dict = {"systems": {}}
+    for system, data in results["systems"].items():
+        peak = results["gemm_gflops"]["bfloat16" if data["dtype"] == "bfloat16" else "float32"]
+        cells = {name: {int(level): _cell(run, results["workloads"][name], model, peak)
+                        for level, run in by_level.items()} for name, by_level in data["runs"].items()}
+        diffs, scored, total = _errors(data["runs"], results["reference"])
+        summary["systems"][system] = {
+            "dtype": data["dtype"],
+            "cells": cells,
+            "err_max": max(diffs, default=float("nan")),
+            "err_p95": _percentile(diffs, 0.95),
+            "scorable": scored / total if total else float("nan"),
+            "variation": _variation(data["runs"]),
+            "peak_rss_mb": data.get("peak_rss_mb"),
+            "ready_s": data.get("ready_s"),
+            "load_s": data.get("load_s"),
+        }
+    summary["claims"] = _claims(summary["systems"])
+    return summary
+
+
+def _rate(systems: dict, system: str, level: int, workload: str = "scoring") -> float | None:
+    cell = systems.get(system, {}).get("cells", {}).get(workload, {}).get(level)
+    return cell["prompts_per_s"] if cell else None
+
+
+def _claims(systems: dict) -> dict:
+    claims: dict = {}
+    llama = _rate(systems, "llama-server", 8)
+    for short in ("f32", "bf16"):
+        http = _rate(systems, f"genscore HTTP {short}", 8)
+        if llama and http:
+            claims[f"{short}_vs_llama_c8"] = http / llama
+        for level in (1, 8, 32):
+            for workload in ("scoring", "items"):
+                h = _rate(systems, f"genscore HTTP {short}", level, workload)
+                i = _rate(systems, f"genscore in-process {short}", level, workload)
+                if h and i:
+                    claims[f"{short}_http_overhead_c{level}_{workload}"] = 1 - h / i
+        cells = systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get("scoring", {})
+        if cells:
+            claims[f"{short}_peak_share_best"] = max(c["peak_share"] for c in cells.values())
+    return claims
+
+
+def _fmt(value, spec: str = ".1f", missing: str = "–") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def markdown(results: dict, summary: dict) -> str:
+    m = results["machine"]
+    la0, la1 = results["loadavg_start"], results["loadavg_end"]
+    lines = [
+        "# genscore benchmark",
+        "",
+        "Written by `make bench` (`python -m bench.bench`); raw numbers in `benchmark.json`, chart in `benchmark.png`.",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']}; "
+        f"torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}.",
+        f"- Load average (1/5/15 min) at start {la0[0]:.2f}/{la0[1]:.2f}/{la0[2]:.2f}, at end "
+        f"{la1[0]:.2f}/{la1[1]:.2f}/{la1[2]:.2f} (anything above the core count means other work shared the CPUs). "
+        f"Total run {results['total_s'] / 60:.1f} min.",
+        f"- Matmul peak measured in this run (2048³ GEMM, best of start and end): float32 {results['gemm_gflops']['float32']:.0f} GFLOP/s, "
+        f"bfloat16 {results['gemm_gflops']['bfloat16']:.0f} GFLOP/s.",
+        f"- Model: {results['args']['model']} ({results['model']['total_params'] / 1e6:.0f} M parameters, "
+        f"{results['model']['body_params'] / 1e6:.0f} M outside the embeddings). Useful FLOPs per prompt = "
+        "2 × non-embedding params × tokens + causal attention + lm_head on the last position.",
+    ]
+    for name, wl in results["workloads"].items():
+        tokens = [t for per in wl["tokens"] for t in per]
+        lines.append(f"- Workload `{name}`: {wl['requests']} requests, {len(tokens)} prompts of "
+                     f"{min(tokens)}–{max(tokens)} tokens (mean {sum(tokens) / len(tokens):.0f}), "
+                     f"{min(wl['labels'])}–{max(wl['labels'])} labels each.")
+    lines += [
+        "- Reference: the naive loop itself (float32 transformers, one unpadded prompt at a time, full "
+        "`log_softmax`). Errors are absolute logprob differences over every label a system could score; "
+        "batch variation is the largest spread of one label's value across concurrency levels.",
+        "",
+    ]
+    for workload in ("scoring", "items"):
+        lines += [f"## Workload `{workload}`", "",
+                  "| system | conc. | prompts/s | tokens/s | p50 ms | p95 ms | p99 ms | GFLOP/s | % of matmul peak |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for system, s in summary["systems"].items():
+            for level, c in sorted(s["cells"].get(workload, {}).items()):
+                lines.append(f"| {system} | {level} | {c['prompts_per_s']:.1f} | {c['tokens_per_s']:.0f} | "
+                             f"{c['p50_ms']:.0f} | {c['p95_ms']:.0f} | {c['p99_ms']:.0f} | {c['gflops']:.0f} | "
+                             f"{100 * c['peak_share']:.0f}% |")
+        lines.append("")
+    lines += ["## Accuracy, memory, start-up", "",
+              "| system | dtype | scorable labels | max abs err | p95 abs err | batch variation | peak RSS MiB | "
+              "ready after start s | model load s |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for system, s in summary["systems"].items():
+        lines.append(f"| {system} | {s['dtype']} | {100 * s['scorable']:.1f}% | {_fmt(s['err_max'], '.2e')} | "
+                     f"{_fmt(s['err_p95'], '.2e')} | {_fmt(s['variation'], '.2e')} | {_fmt(s['peak_rss_mb'], '.0f')} | "
+                     f"{_fmt(s['ready_s'])} | {_fmt(s['load_s'], '.2f')} |")
+    lines += ["", "## Headline", "", headline(summary), ""]
+    return "\n".join(lines)
+
+
+def headline(summary: dict) -> str:
+    c = summary["claims"]
+    parts = []
+    for short in ("f32", "bf16"):
+        if f"{short}_vs_llama_c8" in c:
+            parts.append(f"- genscore {short} over HTTP at concurrency 8: {c[f'{short}_vs_llama_c8']:.2f}× llama-server "
+                         "(scoring workload).")
+        if f"{short}_peak_share_best" in c:
+            parts.append(f"- genscore {short} best share of the {short} matmul peak (scoring): "
+                         f"{100 * c[f'{short}_peak_share_best']:.0f}%.")
+        overheads = [f"c={key.split('_c')[1].replace('_', ' ')}: {100 * v:+.0f}%"
+                     for key, v in c.items() if key.startswith(f"{short}_http_overhead")]
+        if overheads:
+            parts.append(f"- HTTP overhead vs the same Engine in-process ({short}; throughput lost): "
+                         + ", ".join(overheads) + ".")
+    return "\n".join(parts) or "(no comparison available)"
+
+
+def chart(summary: dict, path: Path) -> Path | None:
+    """Throughput vs concurrency per system, one panel per workload; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, workload in zip(axes, ("scoring", "items")):
+        for system, s in summary["systems"].items():
+            cells = s["cells"].get(workload, {})
+            if not cells:
+                continue
+            levels = sorted(cells)
+            rates = [cells[level]["prompts_per_s"] for level in levels]
+            if len(levels) == 1:
+                ax.axhline(rates[0], linestyle="--", color="grey", label=f"{system} (one at a time)")
+            else:
+                ax.plot(levels, rates, marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("prompts / s")
+        ax.set_title(f"workload: {workload}")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
