@@ -270,10 +270,28 @@ class Generator:
         if len(keep) != len(self._rows):
             self._keep_rows(keep)
         if admitted:
-            self._prefill(admitted, events)
+            self._prefill_isolated(admitted, events)
         if self._rows:
             self._decode(events)
         return events
+
+    def _prefill_isolated(self, groups: list[_Group], events: list) -> None:
+        """Prefill the admitted prompts together; if that fails, split them, so only a prompt that fails on its own
+        gets an error and neither the other newcomers nor the rows already decoding are touched."""
+        staged: list[tuple[_Group, object]] = []  # nothing is reported for an attempt that fails part-way
+        try:
+            self._prefill(groups, staged)
+        except Exception:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
+            if len(groups) == 1:
+                log.exception("prefill failed for one prompt")
+                events.append((groups[0], EngineError("the model failed on this prompt")))
+                return
+            log.warning("prefill of %d prompts failed; retrying them in halves", len(groups), exc_info=True)
+            half = len(groups) // 2
+            self._prefill_isolated(groups[:half], events)
+            self._prefill_isolated(groups[half:], events)
+            return
+        events += staged
 
     def _keep_rows(self, keep: list[int]) -> None:
         self._rows = [self._rows[i] for i in keep]
@@ -309,8 +327,9 @@ class Generator:
         if not still_running:
             return
         joined = select_rows(batch, [new_rows[i] for i in still_running])
+        merged = merge(self._batch, joined)  # before touching self._rows: a failure here must leave them consistent
         self._rows += [new_choices[i] for i in still_running]
-        self._batch = merge(self._batch, joined)
+        self._batch = merged
 
     @torch.inference_mode()
     def _decode(self, events: list) -> None:

@@ -128,3 +128,39 @@ def test_broken_model_folder_exits_non_zero_with_a_clear_message(tmp_path):
     result = run_cli("--model", str(tmp_path), "--device", "cpu")
     assert result.returncode == 1
     assert "model load failed" in result.stderr
+
+
+def test_failing_prefill_is_split_and_only_the_failing_prompt_gets_500(tiny_loaded, probe):
+    """Generation: newcomers prefilled together are retried alone when that fails; rows already decoding go on."""
+
+    def prefill_fault(ids: torch.Tensor):
+        # decode steps feed one token per row ([B, 1]); only a prefill holds the whole poisoned prompt
+        return poison_fault(ids) if ids.shape[1] > 1 else None
+
+    def completion(prompt: list[int]) -> dict:
+        return {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+
+    prompts = [[5, 6, 7, 8], [20, 21, 22], BAD, [30, 31, 32, 33, 34]]
+    with serving(tiny_loaded) as (base_url, _):
+        alone = {i: httpx.post(f"{base_url}/v1/completions", json=completion(p), timeout=30).json()
+                 for i, p in enumerate(prompts) if p is not BAD}
+        probe.fault = prefill_fault
+        probe.gate.clear()  # hold the first prefill so the others queue up and are admitted together
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+                first = asyncio.create_task(client.post("/v1/completions", json=completion(prompts[0])))
+                await async_wait_until(probe.entered.is_set, what="the first prefill")
+                rest = [asyncio.create_task(client.post("/v1/completions", json=completion(p))) for p in prompts[1:]]
+                await asyncio.sleep(0.2)  # the others are queued behind the held step
+                probe.gate.set()
+                return [await first] + [await task for task in rest]
+
+        responses = asyncio.run(scenario())
+        assert_engine_error(responses[2])
+        for i in (0, 1, 3):
+            assert responses[i].status_code == 200, responses[i].text
+            got, expected = responses[i].json()["choices"][0], alone[i]["choices"][0]
+            assert got["text"] == expected["text"]
+            assert got["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
+        assert httpx.get(f"{base_url}/health").status_code == 200
