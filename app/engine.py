@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -23,6 +22,7 @@ from app.batcher import BatchStats, Batcher
 from app.errors import InvalidRequestError, ModelNotServedError
 from app.schemas import ScoreRequest
 from app.settings import Settings
+from app.token_strings import TokenStrings
 from models import LoadedModel, forward_logits
 from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, logits_of, prefill, supports_prefix_reuse
 from sampler import LogprobsMode, SamplingParams
@@ -125,7 +125,7 @@ class Engine:
             retry_after_s=settings.retry_after_s,
             on_batch=on_batch,
         )
-        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self.token_strings = TokenStrings(loaded.tokenizer)  # shared with the OpenAI routes: one cache
         self.share_prefixes = settings.share_prefixes and supports_prefix_reuse(loaded.model)
         self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20) if self.share_prefixes else 0)
 
@@ -406,9 +406,6 @@ class Engine:
             shared = common_prefix_len(prompts)
         return await self.batcher.submit([ScoreWork(ids, params, shared, candidates) for ids in prompts])
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.loaded.tokenizer.decode([token_id])
-
     def _score_response(self, request: ScoreRequest, params: SamplingParams, prompts: list[list[int]],
                         candidates: tuple[tuple[int, ...], ...], outcomes: list[ScoreOutcome]) -> dict:
         entry = self._candidate_entry if candidates else self._label_entry
@@ -437,7 +434,7 @@ class Engine:
         row = outcome.labels
         top = None
         if params.top_logprobs:
-            top = [{"token_id": t, "token": self._token_text(t), "logprob": finite(v)}
+            top = [{"token_id": t, "token": self.token_strings.text(t), "logprob": finite(v)}
                    for t, v in zip(row.top_ids, row.top_values)]
         return {
             "index": index,
