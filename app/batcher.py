@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from app.consumer_loop import ConsumerLoop
 from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 
 log = logging.getLogger("genscore.batcher")
@@ -60,7 +61,7 @@ def _deadline_error() -> DeadlineExceededError:
                                  "retry later or allow more time (X-Request-Timeout)", code="deadline_exceeded")
 
 
-class Batcher(Generic[W, R]):
+class Batcher(ConsumerLoop, Generic[W, R]):
     """Coalesce units of work from many callers into calls of `handler(list[W]) -> list[R]`.
 
     Shaped like Ray Serve's batcher: one consumer task, a Future per unit; a cancelled caller's units are
@@ -69,6 +70,8 @@ class Batcher(Generic[W, R]):
     only a unit that fails on its own fails its caller (500) and every other caller gets its result. The handler
     runs in `executor` so the event loop (probes, request parsing) stays responsive during a forward pass.
     """
+
+    task_name = "genscore-batcher"
 
     def __init__(
         self,
@@ -97,23 +100,6 @@ class Batcher(Generic[W, R]):
         self._task: asyncio.Task | None = None
         self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
         self._admitted = 0  # submit() calls not yet answered
-
-    # --- lifecycle -----------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="genscore-batcher")
-        self._task.add_done_callback(self._on_loop_exit)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    @property
-    def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     @property
     def running(self) -> int:

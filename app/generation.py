@@ -20,6 +20,7 @@ import torch
 
 import sampler
 from app.batcher import request_deadline
+from app.consumer_loop import ConsumerLoop
 from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
@@ -119,8 +120,10 @@ def held_back(text: str, stop: Sequence[str]) -> int:
     return hold
 
 
-class Generator:
+class Generator(ConsumerLoop):
     """Owns the decode loop; `generate()` streams ChoiceUpdates for one prompt."""
+
+    task_name = "genscore-generation"
 
     def __init__(self, loaded: LoadedModel, settings: Settings):
         self.loaded = loaded
@@ -142,17 +145,8 @@ class Generator:
         self.steps = 0  # decode steps run (tests read it to see batching happen)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="genscore-generation")
-        self._task.add_done_callback(self._on_loop_exit)
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await super().stop()
         self._executor.shutdown(wait=True)
 
     async def warm_up(self) -> None:
@@ -162,10 +156,6 @@ class Generator:
                                   prompt_logprobs=True)
         async for _ in self.generate(ids, params):
             pass
-
-    @property
-    def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     @property
     def running(self) -> int:
