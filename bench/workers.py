@@ -36,7 +36,7 @@ def naive(spec: dict) -> dict:
     from models import load_model
 
     started = time.perf_counter()
-    loaded = load_model(spec["model"], device="cpu", dtype="float32", cache_dir=Path(spec["cache_dir"]))
+    loaded = load_model(spec["model"], device="cpu", dtype="float32", cache_dir=Path(spec["cache_dir"]), optimize=False)
     load_s = time.perf_counter() - started
     model = loaded.model
 

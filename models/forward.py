@@ -1,4 +1,4 @@
-"""The batched forward pass: group sequences by length into padding-light micro-batches, left-pad each, run the model, project only the needed positions through lm_head."""
+"""The batched forward pass: sequences packed into one row (padded micro-batches for models that cannot pack), lm_head on the needed positions only."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from models.packed import pack, supports_packing
+
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
 # overhead across every layer, plus the lower GEMM efficiency of a smaller call. Tuned on CPU
 # (SmolLM2-135M, float32 and bfloat16); the grouping is not sensitive to it within a factor of two.
 CALL_OVERHEAD_TOKENS = 96
+# Tokens per packed model call. Larger calls keep the GEMMs efficient; past about this size the activations
+# ([tokens, intermediate] per MLP) stop fitting in cache and element-wise ops slow down. Tuned on CPU.
+PACK_TOKENS = 1024
 
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):
@@ -54,6 +59,20 @@ def plan_micro_batches(lengths: Sequence[int], call_overhead_tokens: int = CALL_
     return groups[::-1]
 
 
+def plan_packs(lengths: Sequence[int], pack_tokens: int = PACK_TOKENS) -> list[list[int]]:
+    """Split sequence indices, in order, into packs of at most pack_tokens tokens (a longer sequence packs alone)."""
+    packs: list[list[int]] = []
+    size = 0
+    for i, length in enumerate(lengths):
+        if packs and size + length <= pack_tokens:
+            packs[-1].append(i)
+            size += length
+        else:
+            packs.append([i])
+            size = length
+    return packs
+
+
 def _lm_head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] -> float32 logits [N, V], applying the final soft-capping some architectures use."""
     logits = model.get_output_embeddings()(hidden).float()
@@ -83,6 +102,22 @@ def _picked_hidden(
     return hidden[rows.to(device), cols.to(device)]  # [N, H]
 
 
+def _packed_hidden(
+    model: PreTrainedModel, sequences: Sequence[Sequence[int]], keep_last: Sequence[int]
+) -> torch.Tensor:
+    """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
+    input_ids, position_ids, boundaries = pack(sequences, model.device)
+    # All ones = no padding: transformers then skips building a [T, T] mask that packed attention would not read.
+    no_padding = torch.ones_like(input_ids)
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
+        cu_seq_lens_q=boundaries,
+    ).last_hidden_state[0]  # [T, H]
+    ends = boundaries[1:].tolist()
+    picked = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep_last)])
+    return hidden[picked.to(hidden.device)]  # [N, H]
+
+
 @torch.inference_mode()
 def forward_logits(
     model: PreTrainedModel,
@@ -93,13 +128,21 @@ def forward_logits(
     """Logits for the last `keep_last[i]` positions of each sequence (default 1), stacked row after row.
 
     Returns float32 [N, V] with N = sum(keep_last); row order is sequence 0's kept
-    positions oldest first, then sequence 1's, and so on. Sequences run in micro-batches
-    of similar length (see plan_micro_batches), so a batch mixing 20- and 200-token
-    prompts does not pay for 200 tokens on every row; each row's numbers do not depend on
-    its neighbours beyond float rounding. lm_head runs once, on the N kept hidden states
-    only: at V = 49k it would otherwise dominate the cost.
+    positions oldest first, then sequence 1's, and so on. Sequences are packed back to back
+    into rows of about PACK_TOKENS tokens, attention kept inside each sequence (models/packed.py),
+    so no compute goes to padding; a model that cannot pack runs padded micro-batches of
+    similar length instead (see plan_micro_batches). Each row's numbers do not depend on its
+    neighbours beyond float rounding. lm_head runs once, on the N kept hidden states only:
+    at V = 49k it would otherwise dominate the cost.
     """
     keep = [1] * len(sequences) if keep_last is None else list(keep_last)
+    if supports_packing(model):
+        packs = plan_packs([len(seq) for seq in sequences], PACK_TOKENS)
+        # Packs keep the caller's order, so their kept rows concatenate straight into the result's order.
+        picked = torch.cat([
+            _packed_hidden(model, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
+        ])  # [N, H]
+        return _lm_head_logits(model, picked)
     groups = plan_micro_batches([len(seq) for seq in sequences])
     if len(groups) == 1:
         return _lm_head_logits(model, _picked_hidden(model, sequences, pad_token_id, keep))

@@ -14,6 +14,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.packed import use_packed_attention
+from models.prepack import prepack_linears
+
 log = logging.getLogger("genscore.models")
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -132,8 +135,14 @@ def _load_pretrained(source: ModelSource, dtype: torch.dtype, cache_root: Path |
     return tokenizer, model.to(dtype)
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None) -> LoadedModel:
-    """Load the model named by `spec` onto the chosen device, in eval mode."""
+def load_model(
+    spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None, optimize: bool = True
+) -> LoadedModel:
+    """Load the model named by `spec` onto the chosen device, in eval mode.
+
+    optimize: install the serving kernels, packed-sequence attention (models/packed.py) and, on CPU,
+    pre-packed linear weights (models/prepack.py). False leaves the model exactly as transformers loads it.
+    """
     started = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -143,6 +152,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     except OSError as exc:  # hub id not found / offline without a cached copy
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}") from exc
     model.to(torch_device).eval()
+    if optimize:
+        # Last: both change modules in place, and nothing may move or re-cast the model after them.
+        packing = use_packed_attention(model)
+        prepacked = prepack_linears(model)
+        log.info("serving kernels: packed attention %s, %d linear layers pre-packed",
+                 "on" if packing else "off", prepacked)
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
         # Pad ids are masked out, so any real id works; eos is the customary choice.

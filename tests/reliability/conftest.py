@@ -21,9 +21,9 @@ POISON = 13  # a token id that makes the injected fault fire when it reaches the
 
 
 class ModelProbe:
-    """A forward pre-hook on the model's input embeddings: it sees the real [B, T] input ids of every forward pass,
-    records them, can hold the pass at a gate, and can raise inside the pass (the fault a broken or full device
-    would raise there)."""
+    """A forward pre-hook on the model body: it sees the input ids of every forward pass as [B, T] (a packed call's
+    sequences are unpacked and left-padded with 0), records them, can hold the pass at a gate, and can raise inside
+    the pass (the fault a broken or full device would raise there)."""
 
     def __init__(self, model: torch.nn.Module):
         self.seen: list[list[int]] = []  # every sequence that reached the model (pad ids included)
@@ -32,10 +32,16 @@ class ModelProbe:
         self.gate.set()
         self.entered = threading.Event()  # set when a forward pass has started (and may be waiting at the gate)
         self.fault: Callable[[torch.Tensor], Exception | None] = lambda ids: None
-        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+        self._handle = model.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args):
-        ids = args[0]  # [B, T]
+    def _hook(self, module, args, kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]  # [B, T]
+        bounds = kwargs.get("cu_seq_lens_q")  # set on packed calls: [1, T] holding B sequences back to back
+        if bounds is not None:
+            rows = [ids[0, a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+            ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=ids.dtype)
+            for i, row in enumerate(rows):
+                ids[i, ids.shape[1] - len(row):] = row
         self.entered.set()
         self.gate.wait(60)
         self.batch_sizes.append(ids.shape[0])

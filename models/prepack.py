@@ -1,0 +1,63 @@
+"""CPU linear layers whose weights are packed once into oneDNN's blocked layout, instead of on every call."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+log = logging.getLogger("genscore.models")
+
+# The row count oneDNN picks its weight layout for; a packed weight serves any row count. About one packed
+# scoring call (models/forward.py PACK_TOKENS); decoding's few rows still gain (measured in bench/).
+_LAYOUT_ROWS = 1024
+
+
+class PrepackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout; same numbers as nn.Linear up to summation order."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Buffers, not parameters: the packed layout is not a weight anything should train or re-load.
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _LAYOUT_ROWS)
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run the packed kernel, and agree with nn.Linear on a small case."""
+    try:
+        linear = nn.Linear(64, 48).to(dtype)
+        x = torch.randn(5, 64).to(dtype)
+        with torch.inference_mode():
+            return torch.allclose(PrepackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2, rtol=1e-2)
+    except (RuntimeError, AttributeError) as exc:  # op missing in this build, or no oneDNN kernel for the CPU
+        log.info("pre-packed linear weights unavailable (%s); using plain nn.Linear", exc)
+        return False
+
+
+def prepack_linears(model: PreTrainedModel) -> int:
+    """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns how many were swapped.
+
+    CPU, float32 or bfloat16 only. lm_head is left alone: it runs on a few rows per batch and its weight
+    is often tied to the input embeddings, so packing it would hold the largest matrix twice.
+    """
+    dtype = model.dtype
+    if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not _works(dtype):
+        return 0
+    swapped = 0
+    for module in model.base_model.modules():
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, PrepackedLinear(child))
+                swapped += 1
+    return swapped
