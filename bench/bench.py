@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-top-k", type=int, default=20, help="n_probs asked of llama-server")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before each cell")
+    p.add_argument("--repeats", type=int, default=2, help="timed passes per cell; the fastest is reported")
     p.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "bench" / "weights",
                    help="genscore's converted-weights cache for the benchmark")
     p.add_argument("--out", type=Path, default=REPO / "docs", help="where benchmark.md/.json/.png go")
@@ -90,14 +91,14 @@ def worker_workloads(workloads: dict) -> dict:
             for name, reqs in workloads.items()}
 
 
-async def drive(make_client, workloads: dict, concurrency: list[int], warmup: int) -> dict:
+async def drive(make_client, workloads: dict, concurrency: list[int], warmup: int, repeats: int) -> dict:
     runs: dict = {}
     for name, requests in workloads.items():
         runs[name] = {}
         for level in concurrency:
             client = make_client(level)
             try:
-                result = await closed_loop(client, requests, level, warmup=warmup)
+                result = await closed_loop(client, requests, level, warmup=warmup, repeats=repeats)
             finally:
                 await client.aclose()
             runs[name][str(level)] = result.__dict__
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="genscore-bench-") as tmp_name:
         tmp = Path(tmp_name)
         base_spec = {"model": args.model, "cache_dir": str(args.cache_dir), "workloads": worker_workloads(workloads),
-                     "warmup": args.warmup}
+                     "warmup": args.warmup, "repeats": args.repeats}
         # Always run: its numbers are the float32 reference every system is compared with. It also
         # fills the weights cache, so every genscore start below is a start "after the first run".
         log("naive transformers loop (float32, one prompt at a time): the reference")
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                 server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log")
                 try:
                     runs = asyncio.run(drive(lambda c, url=server.base_url: GenscoreClient(url, c), workloads,
-                                             concurrency, args.warmup))
+                                             concurrency, args.warmup, args.repeats))
                     results["systems"][f"genscore HTTP {short}"] = {
                         "dtype": dtype, "runs": runs, "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s,
                         "load_s": genscore_load_seconds(server.log_path)}
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
                                  args.cache_dir.parent / "llama-server.log")
             try:
                 runs = asyncio.run(drive(lambda c, url=server.base_url: LlamaClient(url, c, args.llama_top_k),
-                                         workloads, concurrency, args.warmup))
+                                         workloads, concurrency, args.warmup, args.repeats))
                 results["systems"]["llama-server"] = {"dtype": f"GGUF {source.gguf_file}", "runs": runs,
                                                       "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s}
             finally:

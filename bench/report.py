@@ -128,7 +128,8 @@ def markdown(results: dict, summary: dict) -> str:
         f"torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}.",
         f"- Load average (1/5/15 min) at start {la0[0]:.2f}/{la0[1]:.2f}/{la0[2]:.2f}, at end "
         f"{la1[0]:.2f}/{la1[1]:.2f}/{la1[2]:.2f} (anything above the core count means other work shared the CPUs). "
-        f"Total run {results['total_s'] / 60:.1f} min.",
+        f"Total run {results['total_s'] / 60:.1f} min. Each cell is the fastest of "
+        f"{results['args'].get('repeats', 1)} timed passes, after {results['args'].get('warmup', 0)} untimed requests.",
         f"- Matmul peak measured in this run (2048³ GEMM, best of start and end): float32 {results['gemm_gflops']['float32']:.0f} GFLOP/s, "
         f"bfloat16 {results['gemm_gflops']['bfloat16']:.0f} GFLOP/s.",
         f"- Model: {results['args']['model']} ({results['model']['total_params'] / 1e6:.0f} M parameters, "

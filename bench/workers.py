@@ -36,7 +36,8 @@ def naive(spec: dict) -> dict:
     from models import load_model
 
     started = time.perf_counter()
-    loaded = load_model(spec["model"], device="cpu", dtype="float32", cache_dir=Path(spec["cache_dir"]), optimize=False)
+    loaded = load_model(spec["model"], device="cpu", dtype="float32", cache_dir=Path(spec["cache_dir"]),
+                        optimize=False)  # plain transformers: the reference
     load_s = time.perf_counter() - started
     model = loaded.model
 
@@ -53,7 +54,7 @@ def naive(spec: dict) -> dict:
 
     runs = {}
     for name, requests in spec["workloads"].items():
-        result = asyncio.run(closed_loop(call, requests, 1, warmup=spec["warmup"]))
+        result = asyncio.run(closed_loop(call, requests, 1, warmup=spec["warmup"], repeats=spec["repeats"]))
         runs[name] = {"1": result.__dict__}
     return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), "model": _model_facts(model), "runs": runs}
 
@@ -84,7 +85,8 @@ def engine(spec: dict) -> dict:
             for name, requests in spec["workloads"].items():
                 runs[name] = {}
                 for concurrency in spec["concurrency"]:
-                    result = await closed_loop(call, requests, concurrency, warmup=spec["warmup"])
+                    result = await closed_loop(call, requests, concurrency, warmup=spec["warmup"],
+                                               repeats=spec["repeats"])
                     runs[name][str(concurrency)] = result.__dict__
         finally:
             await eng.stop()
