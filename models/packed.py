@@ -25,9 +25,6 @@ def packed_sdpa_attention(
     attention work, per prompt it is the sum of squares, the same as unpacked prompts.
     """
     boundaries = kwargs.pop("cu_seq_lens_q", None)
-    kwargs.pop("cu_seq_lens_k", None)
-    kwargs.pop("max_length_q", None)
-    kwargs.pop("max_length_k", None)
     if boundaries is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     bounds = boundaries.tolist()
@@ -54,6 +51,7 @@ def use_packed_attention(model: PreTrainedModel) -> bool:
 
 
 def supports_packing(model: PreTrainedModel) -> bool:
+    """Whether forward passes of `model` may be packed (use_packed_attention switched it)."""
     return model.config._attn_implementation == PACKED_ATTENTION
 
 
