@@ -87,6 +87,14 @@ def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
 _CANDIDATE_ROWS_PER_CHUNK = 256
 
 
+def check_list_size(values: list, limit: int, param: str, noun: str) -> None:
+    """A list field that is given must hold between 1 and `limit` entries; else a 400 naming `param`."""
+    if not values:
+        raise InvalidRequestError(f"{param} must hold at least one {noun} when given", param)
+    if len(values) > limit:
+        raise InvalidRequestError(f"{len(values)} {param} exceed the limit of {limit}", param)
+
+
 def finite(value: float) -> float:
     return NEG_INF_JSON if value == -math.inf else value
 
@@ -338,11 +346,7 @@ class Engine:
         if request.items is None:
             prompts = [query]
         else:
-            if not request.items:
-                raise InvalidRequestError("items must hold at least one item when given", "items")
-            if len(request.items) > self.settings.max_items:
-                raise InvalidRequestError(
-                    f"{len(request.items)} items exceed the limit of {self.settings.max_items}", "items")
+            check_list_size(request.items, self.settings.max_items, "items", "item")
             prompts = []
             for i, item in enumerate(request.items):
                 item_ids = self._encode(item, False, f"items[{i}]")  # items never get special tokens
@@ -367,11 +371,7 @@ class Engine:
         """The candidates as token ids (text tokenized alone, without special tokens); () for a label request."""
         if request.candidates is None:
             return ()
-        if not request.candidates:
-            raise InvalidRequestError("candidates must hold at least one candidate when given", "candidates")
-        if len(request.candidates) > self.settings.max_candidates:
-            raise InvalidRequestError(
-                f"{len(request.candidates)} candidates exceed the limit of {self.settings.max_candidates}", "candidates")
+        check_list_size(request.candidates, self.settings.max_candidates, "candidates", "candidate")
         candidates = []
         for i, candidate in enumerate(request.candidates):
             ids = self._encode(candidate, False, f"candidates[{i}]")

@@ -211,12 +211,8 @@ class OpenAIServing:
         generated = 0
 
         def chunk(index: int, text: str, logprobs, finish_reason) -> dict:
-            body = {"id": response_id, "object": "text_completion", "created": created,
-                    "model": self.engine.model_name,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-            if work.include_usage:
-                body["usage"] = None
-            return body
+            return self._choice_chunk(work, response_id, created, "text_completion", {
+                "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
         async for p, event in self._events(work):
             if isinstance(event, PromptLogprobs):
@@ -327,12 +323,8 @@ class OpenAIServing:
         generated = 0
 
         def chunk(index: int, delta: dict, logprobs, finish_reason) -> dict:
-            body = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.engine.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-            if work.include_usage:
-                body["usage"] = None
-            return body
+            return self._choice_chunk(work, response_id, created, "chat.completion.chunk", {
+                "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
         for c in range(work.params.n):  # OpenAI opens every choice with the assistant role
             yield chunk(c, {"role": "assistant", "content": ""}, None, None)
@@ -407,6 +399,14 @@ class OpenAIServing:
         prompt_tokens = sum(len(ids) for ids in work.prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
+
+    def _choice_chunk(self, work: Work, response_id: str, created: int, obj: str, choice: dict) -> dict:
+        """One streamed chunk carrying one choice; `usage` is null on it when the client asked for usage at the end."""
+        body = {"id": response_id, "object": obj, "created": created, "model": self.engine.model_name,
+                "choices": [choice]}
+        if work.include_usage:
+            body["usage"] = None
+        return body
 
     def _usage_chunk(self, work: Work, response_id: str, created: int, obj: str, completion_tokens: int) -> dict:
         return {"id": response_id, "object": obj, "created": created, "model": self.engine.model_name,
