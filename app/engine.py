@@ -24,7 +24,8 @@ from app.schemas import ScoreRequest
 from app.settings import Settings
 from app.token_strings import TokenStrings
 from models import LoadedModel, forward_logits
-from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, logits_of, prefill, supports_prefix_reuse
+from models.head import head_logits
+from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill
 from sampler import LogprobsMode, SamplingParams
 
 log = logging.getLogger("genscore.engine")
@@ -134,7 +135,7 @@ class Engine:
             on_batch=on_batch,
         )
         self.token_strings = TokenStrings(loaded.tokenizer)  # shared with the OpenAI routes: one cache
-        self.share_prefixes = settings.share_prefixes and supports_prefix_reuse(loaded.model)
+        self.share_prefixes = settings.share_prefixes and loaded.shares_prefixes
         self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20) if self.share_prefixes else 0)
 
     # --- lifecycle -----------------------------------------------------------------
@@ -259,7 +260,7 @@ class Engine:
             keep = [rows[i].keep for i in shared]
             suffix_rows = [SuffixRow(states[tuple(rows[i].tokens[: rows[i].split])], tuple(rows[i].tokens[rows[i].split :]),
                                      rows[i].keep) for i in shared]
-            logits = logits_of(model, forward_suffixes(model, suffix_rows, pad))
+            logits = head_logits(model, forward_suffixes(model, suffix_rows, pad))
             for i, block in zip(shared, logits.split(keep)):
                 parts[i] = block
         return torch.cat(parts)

@@ -24,7 +24,8 @@ from app.consumer_loop import ConsumerLoop
 from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
-from models.decoding import DecodeBatch, decode_step, lm_head_logits, merge, prefill, select_rows
+from models.decoding import DecodeBatch, decode_step, merge, prefill, select_rows
+from models.head import head_logits
 from sampler import SamplingParams
 
 log = logging.getLogger("genscore.generation")
@@ -292,7 +293,7 @@ class Generator(ConsumerLoop):
         model, device = self.loaded.model, self.loaded.device
         hidden, batch = prefill(model, [g.prompt_ids for g in groups], self.loaded.pad_token_id)  # [b, T, H]
         width = hidden.shape[1]
-        last_logits = lm_head_logits(model, hidden[:, -1, :])  # [b, V]
+        last_logits = head_logits(model, hidden[:, -1, :])  # [b, V]
         new_rows: list[int] = []  # batch row of each new choice
         new_choices: list[_Choice] = []
         for row, group in enumerate(groups):
@@ -407,7 +408,7 @@ class Generator(ConsumerLoop):
         positions: list[PositionLogprobs | None] = [None]
         for start in range(0, len(ids) - 1, _PROMPT_LOGPROBS_CHUNK):
             stop = min(start + _PROMPT_LOGPROBS_CHUNK, len(ids) - 1)
-            logits = lm_head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
+            logits = head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
             asked = [_position_params(group.params, ids[j + 1]) for j in range(start, stop)]
             positions += _score_positions(logits, asked)
         return positions

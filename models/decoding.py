@@ -16,7 +16,8 @@ from functools import lru_cache
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from models.forward import _lm_head_logits, pad_left
+from models.forward import pad_left
+from models.head import head_logits
 
 
 @lru_cache(maxsize=8)
@@ -40,11 +41,6 @@ class DecodeBatch:
     @property
     def width(self) -> int:
         return self.attention_mask.shape[1]
-
-
-def lm_head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [N, H] -> float32 logits [N, V], exactly as the scoring forward pass projects them."""
-    return _lm_head_logits(model, hidden)
 
 
 def _run(model: PreTrainedModel, input_ids, attention_mask, position_ids, cache: DynamicCache) -> torch.Tensor:
@@ -71,7 +67,7 @@ def decode_step(model: PreTrainedModel, batch: DecodeBatch, next_tokens: torch.T
     position_ids = mask.sum(dim=1, keepdim=True) - 1  # [B, 1], the count of real tokens before this one
     hidden = _run(model, next_tokens.view(-1, 1).to(model.device), mask, position_ids, batch.cache)  # [B, 1, H]
     batch.attention_mask = mask
-    return lm_head_logits(model, hidden[:, -1, :])
+    return head_logits(model, hidden[:, -1, :])
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from models.head import head_logits
 from models.packed import pack, supports_packing
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
@@ -16,6 +18,18 @@ CALL_OVERHEAD_TOKENS = 96
 # Tokens per packed model call. Larger calls keep the GEMMs efficient; past about this size the activations
 # ([tokens, intermediate] per MLP) stop fitting in cache and element-wise ops slow down. Tuned on CPU.
 PACK_TOKENS = 1024
+
+# Models whose padded batches disagreed with their plain forward at load (models/selfcheck.py): each of their
+# sequences runs alone, unpadded, exactly as the plain forward runs it.
+_ONE_AT_A_TIME: weakref.WeakSet = weakref.WeakSet()
+
+
+def run_one_at_a_time(model: PreTrainedModel, one_at_a_time: bool = True) -> None:
+    """Make forward_logits run each sequence of `model` alone instead of in padded micro-batches (or undo it)."""
+    if one_at_a_time:
+        _ONE_AT_A_TIME.add(model)
+    else:
+        _ONE_AT_A_TIME.discard(model)
 
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):
@@ -73,15 +87,6 @@ def plan_packs(lengths: Sequence[int], pack_tokens: int = PACK_TOKENS) -> list[l
     return packs
 
 
-def _lm_head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [N, H] -> float32 logits [N, V], applying the final soft-capping some architectures use."""
-    logits = model.get_output_embeddings()(hidden).float()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
 def _picked_hidden(
     model: PreTrainedModel, sequences: Sequence[Sequence[int]], pad_token_id: int, keep_last: Sequence[int]
 ) -> torch.Tensor:
@@ -107,7 +112,9 @@ def _packed_hidden(
 ) -> torch.Tensor:
     """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
     input_ids, position_ids, boundaries = pack(sequences, model.device)
-    # All ones = no padding: transformers then skips building a [T, T] mask that packed attention would not read.
+    # All ones = no padding: for full-attention layers transformers then builds no mask at all (causal per prompt);
+    # for layers with a window shorter than the row it builds the row's banded mask, whose diagonal blocks are
+    # each prompt's own mask (packed attention reads them).
     no_padding = torch.ones_like(input_ids)
     hidden = model.base_model(
         input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
@@ -142,10 +149,13 @@ def forward_logits(
         picked = torch.cat([
             _packed_hidden(model, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
         ])  # [N, H]
-        return _lm_head_logits(model, picked)
-    groups = plan_micro_batches([len(seq) for seq in sequences])
+        return head_logits(model, picked)
+    if model in _ONE_AT_A_TIME:
+        groups = [[i] for i in range(len(sequences))]
+    else:
+        groups = plan_micro_batches([len(seq) for seq in sequences])
     if len(groups) == 1:
-        return _lm_head_logits(model, _picked_hidden(model, sequences, pad_token_id, keep))
+        return head_logits(model, _picked_hidden(model, sequences, pad_token_id, keep))
     parts = [
         _picked_hidden(model, [sequences[i] for i in group], pad_token_id, [keep[i] for i in group])
         for group in groups
@@ -159,4 +169,4 @@ def forward_logits(
         starts[i] = offset
         offset += keep[i]
     restore = torch.cat([torch.arange(starts[i], starts[i] + keep[i]) for i in range(len(sequences))])
-    return _lm_head_logits(model, picked[restore.to(picked.device)])
+    return head_logits(model, picked[restore.to(picked.device)])

@@ -14,8 +14,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.packed import use_packed_attention
-from models.prepack import prepack_linears
+from models.prefix import supports_prefix_reuse
+from models.selfcheck import FastPaths, PathCheck, install_fast_paths
 
 log = logging.getLogger("genscore.models")
 
@@ -51,6 +51,13 @@ class LoadedModel:
     max_length: int  # longest sequence the model accepts
     pad_token_id: int
     load_seconds: float
+    # which fast paths are on (models/selfcheck.py); a model loaded plain has none but may reuse prefixes
+    fast_paths: FastPaths = FastPaths()
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether shared-prefix key/value reuse gives this model's numbers (checked at load, or plain attention)."""
+        return self.fast_paths.enabled("shared_prefix")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -152,8 +159,9 @@ def load_model(
 ) -> LoadedModel:
     """Load the model named by `spec` onto the chosen device, in eval mode.
 
-    optimize: install the serving kernels, packed-sequence attention (models/packed.py) and, on CPU,
-    pre-packed linear weights (models/prepack.py). False leaves the model exactly as transformers loads it.
+    optimize: install the fast paths that pass the load-time self-check (models/selfcheck.py): pre-packed
+    linear weights on CPU (models/prepack.py), packed-sequence attention (models/packed.py), shared-prefix
+    reuse. False leaves the model exactly as transformers loads it.
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -164,29 +172,32 @@ def load_model(
     except OSError as exc:  # hub id not found / offline without a cached copy
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}") from exc
     model.to(torch_device).eval()
-    if optimize:
-        # Last: both change modules in place, and nothing may move or re-cast the model after them.
-        packing = use_packed_attention(model)
-        prepacked = prepack_linears(model)
-        log.info("serving kernels: packed attention %s, %d linear layers pre-packed",
-                 "on" if packing else "off", prepacked)
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
         # Pad ids are masked out, so any real id works; eos is the customary choice.
         pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     config = model.config
-    max_length = (
+    max_length = int(
         getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
     )
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if optimize:
+        # Last: the fast paths change modules in place, and nothing may move or re-cast the model after them.
+        probe_vocab = min(vocab_size, model.get_input_embeddings().weight.shape[0])
+        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id))
+    else:
+        reuse = supports_prefix_reuse(model)
+        fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else "not plain attention"),))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         device=torch_device,
         dtype=torch_dtype,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
-        max_length=int(max_length),
+        vocab_size=vocab_size,
+        max_length=max_length,
         pad_token_id=int(pad_token_id),
         load_seconds=time.perf_counter() - started,
+        fast_paths=fast_paths,
     )
 
 

@@ -11,29 +11,55 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 PACKED_ATTENTION = "genscore_packed_sdpa"
 
 
+class PackingUnsupported(RuntimeError):
+    """An attention call carries something the per-prompt path cannot honour; such a model must not be packed."""
+
+
+# Keyword arguments the per-prompt path honours: SDPA's own, and ones whose effect the mask already carries
+# (a sliding window is part of the mask transformers builds) or that only describe the call.
+_HONOURED = {"dropout", "scaling", "is_causal", "sliding_window", "position_ids", "cu_seq_lens_k",
+             "max_length_q", "max_length_k", "output_attentions", "use_cache"}
+
+
+def _causal(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+
+
 def packed_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D] when packed
     key: torch.Tensor,  # [1, H_kv, T, D]
     value: torch.Tensor,  # [1, H_kv, T, D]
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,  # None or [1, 1, T, T], the model's own mask over the whole row
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA; when the call carries `cu_seq_lens_q` (prompt boundaries in the packed row), causal SDPA per prompt.
+    """SDPA; when the call carries `cu_seq_lens_q` (prompt boundaries in the packed row), SDPA per prompt.
 
     Per prompt, not one block-diagonal mask over the whole row: a mask would cost (sum of lengths)^2
-    attention work, per prompt it is the sum of squares, the same as unpacked prompts.
+    attention work, per prompt it is the sum of squares, the same as unpacked prompts. Each prompt gets
+    its diagonal block of the mask the model built for the row (so a sliding window, or any other pattern
+    that depends only on the distance between tokens, is kept), or plain causal attention where the model
+    built none or the block is causal. Anything else the layer passes (attention sinks, soft-capping, a
+    non-causal layer) raises PackingUnsupported rather than being dropped.
     """
     boundaries = kwargs.pop("cu_seq_lens_q", None)
     if boundaries is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
+    if unknown or not getattr(module, "is_causal", True):
+        raise PackingUnsupported(f"attention layer {type(module).__name__} is called with "
+                                 f"{unknown or ['is_causal=False']}")
+    kwargs.pop("is_causal", None)
     bounds = boundaries.tolist()
-    parts = [
-        sdpa_attention_forward(
-            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs
-        )[0]  # [1, b - a, H, D]
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
+        if (block is not None and block.dtype == torch.bool and block.shape[1] == 1
+                and torch.equal(block[0, 0], _causal(b - a, block.device))):
+            block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
+        parts.append(sdpa_attention_forward(
+            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None, **kwargs
+        )[0])  # [1, L, H, D]
     return torch.cat(parts, dim=1), None  # [1, T, H, D]
 
 

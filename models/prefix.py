@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from models.forward import _lm_head_logits, pad_left
+from models.forward import pad_left
+from models.head import head_logits
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,6 @@ def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_toke
         if from_suffix:
             picked.append(hidden[b, n - from_suffix : n])  # [k, H]
     return torch.cat(picked, dim=0)
-
-
-@torch.inference_mode()
-def logits_of(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [N, H] -> float32 logits [N, V] through lm_head (and the final soft-capping, where a model has one)."""
-    return _lm_head_logits(model, hidden)
 
 
 @dataclass

@@ -45,19 +45,25 @@ def _works(dtype: torch.dtype) -> bool:
         return False
 
 
-def prepack_linears(model: PreTrainedModel) -> int:
-    """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns how many were swapped.
+def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns the swaps, for restore_linears.
 
     CPU, float32 or bfloat16 only. lm_head is left alone: it runs on a few rows per batch and its weight
     is often tied to the input embeddings, so packing it would hold the largest matrix twice.
     """
     dtype = model.dtype
     if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not _works(dtype):
-        return 0
-    swapped = 0
+        return []
+    swaps = []
     for module in model.base_model.modules():
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PrepackedLinear(child))
-                swapped += 1
-    return swapped
+                swaps.append((module, name, child))
+    return swaps
+
+
+def restore_linears(swaps: list[tuple[nn.Module, str, nn.Linear]]) -> None:
+    """Undo prepack_linears: put the original nn.Linear modules back."""
+    for module, name, linear in swaps:
+        setattr(module, name, linear)

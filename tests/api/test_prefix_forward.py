@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from models import load_model
-from models.prefix import SuffixRow, forward_suffixes, logits_of, prefill, supports_prefix_reuse
+from models.head import head_logits
+from models.prefix import SuffixRow, forward_suffixes, prefill, supports_prefix_reuse
 from tests.reference import position_logits
 
 
@@ -25,13 +26,13 @@ def test_rows_over_several_prefixes_equal_full_passes(loaded):
     cases = [(short_state, short, [7, 8, 9], 3), (long_state, long, [11], 2), (short_state, short, [], 1),
              (long_state, long, [12, 13, 14, 15, 16, 17], 4), (long_state, long, [], 1)]
     rows = [SuffixRow(state, tuple(suffix), keep) for state, _, suffix, keep in cases]
-    got = logits_of(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
     expected = torch.cat([position_logits(loaded.model, prefix + suffix)[-keep:] for _, prefix, suffix, keep in cases])
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     # one prefix for every row: the states are expanded, not copied
     rows = [SuffixRow(short_state, (5, 6), 1), SuffixRow(short_state, (8,), 2)]
-    got = logits_of(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
     expected = torch.cat([position_logits(loaded.model, short + [5, 6])[-1:], position_logits(loaded.model, short + [8])])
     torch.testing.assert_close(got, expected[[0, -2, -1]], atol=1e-4, rtol=0)
 

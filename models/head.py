@@ -1,0 +1,46 @@
+"""The model's own output head: final hidden states -> logits through the CausalLM forward's own code (lm_head and
+whatever the architecture does after it: soft-capping, logit scaling, ...), never a re-implementation of it."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+
+class _GivenHidden(nn.Module):
+    """Stands in for the decoder body: returns the hidden states it is handed as `inputs_embeds`."""
+
+    def forward(self, *_: object, inputs_embeds: torch.Tensor, **__: object) -> BaseModelOutputWithPastAndCrossAttentions:
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
+
+
+# model -> a shallow copy of it whose body is _GivenHidden; built once per model, shares every other module
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_view(model: PreTrainedModel) -> PreTrainedModel:
+    """A view of `model` that runs only what its forward does after the body, on hidden states it is given.
+
+    A copy, not a swap on the model itself: the model's body stays in place for every other caller, and the
+    view shares lm_head, config and any scale parameters with it (no weights are copied).
+    """
+    head = _HEADS.get(model)
+    if head is None:
+        body_name = next(name for name, child in model.named_children() if child is model.base_model)
+        head = copy.copy(model)
+        head._modules = dict(model._modules)  # a new dict: replacing the body must not touch the model's own
+        head._modules[body_name] = _GivenHidden()
+        _HEADS[model] = head
+    return head
+
+
+@torch.inference_mode()
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] -> float32 logits [N, V], exactly the numbers the model's forward gives for those positions."""
+    logits = _head_view(model)(inputs_embeds=hidden[None], use_cache=False).logits  # [1, N, V]
+    return logits[0].float()

@@ -1,0 +1,200 @@
+"""The load-time self-check: every fast path against the plain transformers forward of the same weights, on a few
+sequences longer than the model's smallest attention window; a path that disagrees is switched off, loudly."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from models.forward import forward_logits, run_one_at_a_time
+from models.head import head_logits
+from models.packed import use_packed_attention
+from models.prefix import SuffixRow, forward_suffixes, prefill, supports_prefix_reuse
+from models.prepack import prepack_linears, restore_linears
+
+log = logging.getLogger("genscore.models")
+
+# How far a fast path may move the numbers from the plain forward's. float32: the largest |logprob difference|
+# over every token, held to the project's bar. Half precision rounds every intermediate result, so a path that
+# only reorders sums moves single logprobs by up to ~0.5 nats (SmolLM2-135M in bfloat16): there the measure is
+# the expected |logprob difference| under the plain forward's distribution at the worst position (0.07 for
+# SmolLM2-135M's correct paths), while a path that drops part of the model's math (a window, a logit scale)
+# moves it by whole nats.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
+# Extra tokens past the smallest attention window in the long probe, and its length when there is no window.
+_PAST_WINDOW = 24
+_NO_WINDOW_LENGTH = 40
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """One fast path's verdict: on or off, its largest difference from the plain forward, and why it is off."""
+
+    name: str
+    enabled: bool
+    difference: float | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """What the self-check decided for a model: each path's verdict, the tolerance it was held to, its cost."""
+
+    checks: tuple[PathCheck, ...] = ()
+    tolerance: float | None = None
+    seconds: float = 0.0
+
+    def enabled(self, name: str) -> bool:
+        return any(check.name == name and check.enabled for check in self.checks)
+
+    def as_dict(self) -> dict:
+        return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3),
+                "paths": [asdict(check) for check in self.checks]}
+
+
+def smallest_window(model: PreTrainedModel) -> int | None:
+    """The shortest span any attention layer sees (sliding window or attention chunk), if the config sets one."""
+    config = model.config.get_text_config()
+    spans = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "window_size")]
+    spans = [span for span in spans if isinstance(span, int) and span > 0]
+    return min(spans) if spans else None
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """Two prefixes with suffixes after them: long_prefix + suffix runs past the smallest window."""
+
+    long_prefix: list[int]
+    short_prefix: list[int]
+    suffixes: tuple[list[int], list[int], list[int]]  # the first two follow long_prefix, the third short_prefix
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        a, b, c = self.suffixes
+        return [self.long_prefix + a, self.long_prefix + b, self.short_prefix + c]
+
+    @property
+    def prefixes(self) -> list[list[int]]:
+        return [self.long_prefix, self.long_prefix, self.short_prefix]
+
+    @property
+    def keep(self) -> list[int]:
+        """Positions compared per sequence: the one before each suffix token, and the last."""
+        return [len(s) + 1 for s in self.suffixes]
+
+
+def _make_probe(model: PreTrainedModel, vocab_size: int, max_length: int) -> _Probe:
+    window = smallest_window(model)
+    longest = min(max_length, window + _PAST_WINDOW if window else _NO_WINDOW_LENGTH)
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=generator).tolist()  # any id the embedding holds
+
+    long_prefix = tokens(max(1, longest - 9))
+    return _Probe(long_prefix, tokens(6), (tokens(4), tokens(9), tokens(5)))
+
+
+def _plain_logits(model: PreTrainedModel, sequences: list[list[int]], keep: list[int]) -> torch.Tensor:
+    """The model's own forward, one unpadded sequence at a time: the logits of each one's last k positions [sum k, V]."""
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    rows = []
+    for seq, k in zip(sequences, keep):
+        extra = {"logits_to_keep": k} if takes_keep else {}  # [k, V] instead of [len, V] at a 262k vocabulary
+        rows.append(model(torch.tensor([seq], device=model.device), use_cache=False, **extra).logits[0, -k:])
+    return torch.cat(rows)
+
+
+def _error(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """got: logits [N, V]; reference: float32 logprobs [N, V]; the difference measure of TOLERANCE's comment."""
+    diff = (got.float().log_softmax(-1) - reference).abs()  # [N, V]
+    if dtype == torch.float32:
+        return diff.max().item()
+    return (diff * reference.exp()).sum(-1).max().item()
+
+
+def _check(name: str, tolerance: float, run) -> PathCheck:
+    try:
+        error = run()
+    except Exception as exc:  # noqa: BLE001 - a path that cannot run at all is a path to switch off
+        return PathCheck(name, False, None, f"{type(exc).__name__}: {exc}")
+    if error != error or error > tolerance:  # NaN counts as disagreement
+        return PathCheck(name, False, error, f"differs from the plain forward by {error:.3g} (tolerance {tolerance:g})")
+    return PathCheck(name, True, error)
+
+
+@torch.inference_mode()
+def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int, pad_token_id: int) -> FastPaths:
+    """Install each fast path on `model` and keep the ones that give the plain forward's numbers.
+
+    Compared with the unmodified model's own forward on the same probe sequences (one of them longer
+    than the smallest attention window): the output head genscore reads logits through (must agree,
+    or the load fails), pre-packed linear weights (CPU), packed sequences or else padded micro-batches
+    (else one sequence at a time), and shared-prefix key/value reuse, which the prefix cache and
+    multi-token candidates read as well. A path that disagrees or raises is left off and logged.
+    """
+    started = time.perf_counter()
+    tolerance = TOLERANCE.get(model.dtype, 0.1)
+    probe = _make_probe(model, vocab_size, max_length)
+    sequences, keep = probe.sequences, probe.keep
+    reference = _plain_logits(model, sequences, keep).float().log_softmax(-1)  # [N, V]
+    checks = []
+
+    def head_error() -> float:
+        hidden = [model.base_model(torch.tensor([seq], device=model.device), use_cache=False).last_hidden_state[0, -k:]
+                  for seq, k in zip(sequences, keep)]
+        return _error(head_logits(model, torch.cat(hidden)), reference, model.dtype)
+
+    head = _check("output_head", tolerance, head_error)
+    if not head.enabled:
+        raise RuntimeError(f"genscore cannot read this model's logits the way its own forward does: {head.reason}")
+    checks.append(head)
+
+    swaps = prepack_linears(model)
+    if swaps:
+        prepacked = _check("prepacked_linears", tolerance,
+                           lambda: _error(_plain_logits(model, sequences, keep), reference, model.dtype))
+        if not prepacked.enabled:
+            restore_linears(swaps)
+        checks.append(prepacked)
+    swaps.clear()  # drop the original weights: nothing may restore them now
+
+    original_attention = model.config._attn_implementation
+    if use_packed_attention(model):
+        packed = _check("packed_batches", tolerance,
+                        lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype))
+        if not packed.enabled:
+            model.set_attn_implementation(original_attention)
+        checks.append(packed)
+    if not any(c.name == "packed_batches" and c.enabled for c in checks):
+        padded = _check("padded_batches", tolerance,
+                        lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype))
+        if not padded.enabled:
+            run_one_at_a_time(model)
+        checks.append(padded)
+
+    if supports_prefix_reuse(model):
+        def prefix_error() -> float:
+            distinct = [probe.long_prefix, probe.short_prefix]
+            states = dict(zip(map(tuple, distinct), prefill(model, distinct, pad_token_id)))
+            rows = [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
+            return _error(head_logits(model, forward_suffixes(model, rows, pad_token_id)), reference, model.dtype)
+
+        checks.append(_check("shared_prefix", tolerance, prefix_error))
+    else:
+        checks.append(PathCheck("shared_prefix", False, None, "the model's cache is not plain full attention"))
+
+    report = FastPaths(tuple(checks), tolerance, time.perf_counter() - started)
+    for check in checks:
+        if check.enabled:
+            log.info("fast path %s: on (difference %.2g from the plain forward)", check.name, check.difference)
+        else:
+            log.warning("fast path %s: OFF, %s", check.name, check.reason)
+    log.info("self-check of the fast paths took %.2f s (tolerance %g)", report.seconds, tolerance)
+    return report
+
