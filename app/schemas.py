@@ -97,12 +97,30 @@ class ScoreResponse(BaseModel):
     usage: Usage
 
 
+class FastPathCheck(BaseModel):
+    """One fast path's load-time self-check: on or off, its difference from the plain forward, why it is off."""
+
+    name: str
+    enabled: bool
+    difference: float | None
+    reason: str
+
+
+class FastPathReport(BaseModel):
+    """The load-time self-check of the fast paths against the model's plain transformers forward."""
+
+    tolerance: float | None
+    seconds: float
+    paths: list[FastPathCheck]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "genscore"
     max_model_len: int
+    fast_paths: FastPathReport | None = None
 
 
 class ModelList(BaseModel):

@@ -12,11 +12,21 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
 
+class _BodyOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """The body's output as the head reads it: the hidden states, and None for anything else a head asks for
+    (router logits of a mixture of experts, caches, attentions)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _GivenHidden(nn.Module):
     """Stands in for the decoder body: returns the hidden states it is handed as `inputs_embeds`."""
 
-    def forward(self, *_: object, inputs_embeds: torch.Tensor, **__: object) -> BaseModelOutputWithPastAndCrossAttentions:
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
+    def forward(self, *_: object, inputs_embeds: torch.Tensor, **__: object) -> _BodyOutput:
+        return _BodyOutput(last_hidden_state=inputs_embeds)
 
 
 # model -> a shallow copy of it whose body is _GivenHidden; built once per model, shares every other module

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.prefix import supports_prefix_reuse
-from models.selfcheck import FastPaths, PathCheck, install_fast_paths
+from models.selfcheck import NOT_PLAIN_ATTENTION, FastPaths, PathCheck, install_fast_paths
 
 log = logging.getLogger("genscore.models")
 
@@ -187,7 +187,7 @@ def load_model(
         fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id))
     else:
         reuse = supports_prefix_reuse(model)
-        fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else "not plain attention"),))
+        fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else NOT_PLAIN_ATTENTION),))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

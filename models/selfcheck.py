@@ -29,6 +29,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
 # Extra tokens past the smallest attention window in the long probe, and its length when there is no window.
 _PAST_WINDOW = 24
 _NO_WINDOW_LENGTH = 40
+# Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
+NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,14 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
 
         checks.append(_check("shared_prefix", tolerance, prefix_error))
     else:
-        checks.append(PathCheck("shared_prefix", False, None, "the model's cache is not plain full attention"))
+        checks.append(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
 
     report = FastPaths(tuple(checks), tolerance, time.perf_counter() - started)
     for check in checks:
         if check.enabled:
             log.info("fast path %s: on (difference %.2g from the plain forward)", check.name, check.difference)
+        elif check.difference is None and check.reason == NOT_PLAIN_ATTENTION:
+            log.info("fast path %s: not used, %s", check.name, check.reason)
         else:
             log.warning("fast path %s: OFF, %s", check.name, check.reason)
     log.info("self-check of the fast paths took %.2f s (tolerance %g)", report.seconds, tolerance)

@@ -1,12 +1,14 @@
-"""Tiny random models (Llama, GPT-2, Qwen2) with a small byte-level BPE tokenizer, saved as HF folders for fast tests."""
+"""Tiny random models with a small byte-level BPE tokenizer, saved as HF folders: the three of the API tests, and the
+conformance zoo, one per kind of model math a fast path could get wrong (windows, sinks, soft-caps, scales, NoPE)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 # A few sentences are enough to learn merges for short test prompts.
 _CORPUS = [
@@ -44,21 +46,52 @@ def _make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def _config(arch: str, vocab_size: int, max_positions: int):
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    if arch == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=max_positions, **common)
-    if arch == "qwen2":
-        return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                           **common)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, **common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
+# Every tiny model: 2-4 layers of width 64, 4 query and 2 key/value heads of 16.
+_BODY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# A window far shorter than the test prompts (20-100 tokens), so a dropped window changes every later position.
+WINDOW = 8
+_TWO = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
 
-
+# architecture -> (config class name, its settings beyond the body); vocabulary and positions are added later.
+_ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    # the API tests' models
+    "llama": ("LlamaConfig", dict(_BODY, num_hidden_layers=2)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4)),
+    "qwen2": ("Qwen2Config", dict(_BODY, num_hidden_layers=2, tie_word_embeddings=False)),
+    # the conformance zoo
+    "mistral": ("MistralConfig", dict(_BODY, num_hidden_layers=2, sliding_window=WINDOW)),
+    "qwen2_sliding": ("Qwen2Config", dict(_BODY, num_hidden_layers=2, use_sliding_window=True,
+                                           sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(_BODY, num_hidden_layers=2)),
+    "gemma2": ("Gemma2Config", dict(_BODY, **_TWO, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                     final_logit_softcapping=3.0, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", dict(_BODY, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                         final_logit_softcapping=4.0)),
+    "phi3": ("Phi3Config", dict(_BODY, num_hidden_layers=2, sliding_window=WINDOW, pad_token_id=0)),
+    "gpt_oss": ("GptOssConfig", dict(_BODY, **_TWO, sliding_window=WINDOW, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", dict(_BODY, num_hidden_layers=2)),
+    "granite": ("GraniteConfig", dict(_BODY, num_hidden_layers=2, logits_scaling=4.0, embedding_multiplier=3.0,
+                                       residual_multiplier=0.5, attention_multiplier=0.2)),
+    "cohere2": ("Cohere2Config", dict(_BODY, **_TWO, sliding_window=WINDOW, logit_scale=0.5)),
+    "starcoder2": ("Starcoder2Config", dict(_BODY, num_hidden_layers=2, sliding_window=WINDOW)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_hidden_layers=2, rotary_pct=0.25)),
+    "smollm3": ("SmolLM3Config", dict(_BODY, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
+}
 TINY_ARCHITECTURES = ("llama", "gpt2", "qwen2")
+CONFORMANCE_ARCHITECTURES = tuple(arch for arch in _ARCHITECTURES if arch not in ("gpt2", "qwen2"))
+
+
+def _config(arch: str, vocab_size: int, max_positions: int):
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {tuple(_ARCHITECTURES)}")
+    class_name, settings = _ARCHITECTURES[arch]
+    positions = {"n_positions" if arch == "gpt2" else "max_position_embeddings": max_positions}
+    return getattr(transformers, class_name)(
+        vocab_size=vocab_size, bos_token_id=1, eos_token_id=0, **{"pad_token_id": 0, **settings}, **positions
+    )
 
 
 def make_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0, max_positions: int = 128,
@@ -72,9 +105,13 @@ def make_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0, max_
     tokenizer = _make_tokenizer(vocab_size=320)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer) + extra_vocab, max_positions))
-    # Random init is near-uniform; a wider spread makes top-k/top-p tests meaningful.
+    # Random init is near-uniform; a wider spread makes top-k/top-p tests meaningful, and (in the conformance
+    # zoo) larger query/key weights make each position's attention pattern matter, so a wrong mask shows.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20.0)
+        for name, weight in model.named_parameters() if arch in CONFORMANCE_ARCHITECTURES else ():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight", "qkv_proj.weight")):
+                weight.mul_(4.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

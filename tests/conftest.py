@@ -16,7 +16,7 @@ import uvicorn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_TIERS = ("unit", "api", "integration", "ops", "reliability")
+_TIERS = ("unit", "api", "conformance", "integration", "ops", "reliability")
 
 
 def pytest_collection_modifyitems(items):

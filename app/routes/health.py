@@ -37,5 +37,6 @@ async def models(request: Request):
     if state.engine is not None:
         engine = state.engine
         cards.append({"id": engine.model_name, "object": "model", "created": state.started_at,
-                      "owned_by": "genscore", "max_model_len": engine.max_prompt_tokens})
+                      "owned_by": "genscore", "max_model_len": engine.max_prompt_tokens,
+                      "fast_paths": engine.loaded.fast_paths.as_dict()})
     return {"object": "list", "data": cards}

@@ -1,0 +1,61 @@
+"""The load-time self-check catches a fast path that is wrong and switches it off; the served numbers stay right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import models.head
+import models.packed
+import models.prepack
+from models import forward_logits, load_model
+from models.tiny import WINDOW, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("selfcheck") / "mistral", "mistral", max_positions=256)
+
+
+def paths_of(loaded) -> dict:
+    return {check.name: check for check in loaded.fast_paths.checks}
+
+
+def last_logprobs(model, prompts) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1].float().log_softmax(-1) for p in prompts])
+
+
+def test_packing_that_drops_the_window_is_switched_off(mistral, monkeypatch):
+    real = models.packed.sdpa_attention_forward
+
+    def windowless(module, query, key, value, mask, **kwargs):  # the bug of a packed path that ignores the mask
+        kwargs.pop("is_causal", None)
+        return real(module, query, key, value, None, is_causal=True, **kwargs)
+
+    monkeypatch.setattr(models.packed, "sdpa_attention_forward", windowless)
+    loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
+    paths = paths_of(loaded)
+    assert not paths["packed_batches"].enabled and paths["packed_batches"].difference > 1e-2
+    assert paths["padded_batches"].enabled
+    prompts = [list(range(3, 3 + n)) for n in (5, 4 * WINDOW, 9 * WINDOW)]
+    plain = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
+    got = forward_logits(loaded.model, prompts, loaded.pad_token_id).log_softmax(-1)
+    assert (got - last_logprobs(plain, prompts)).abs().max().item() < 1e-4
+
+
+def test_prepacked_linears_that_disagree_are_put_back(mistral, monkeypatch):
+    real = models.prepack.PrepackedLinear.forward
+    monkeypatch.setattr(models.prepack.PrepackedLinear, "forward", lambda self, x: real(self, x) * 1.01)
+    loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
+    assert not paths_of(loaded)["prepacked_linears"].enabled
+    assert not any(isinstance(m, models.prepack.PrepackedLinear) for m in loaded.model.modules())
+
+
+def test_a_head_that_disagrees_fails_the_load(mistral, monkeypatch):
+    real = models.head._GivenHidden.forward
+    monkeypatch.setattr(models.head._GivenHidden, "forward",
+                        lambda self, *a, inputs_embeds, **k: real(self, inputs_embeds=inputs_embeds * 1.01))
+    with pytest.raises(RuntimeError, match="cannot read this model's logits"):
+        load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
