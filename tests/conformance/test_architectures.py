@@ -136,4 +136,4 @@ def test_self_check_keeps_the_fast_paths_that_apply(zoo):
     else:
         assert "packed_batches" not in paths and paths["padded_batches"].enabled
     assert paths["shared_prefix"].enabled == supports_prefix_reuse(zoo.plain)
-    assert all(c.difference is None or c.difference <= 1e-4 for c in paths.values())
+    assert all(c.difference is None or c.difference <= TOL for c in paths.values())
