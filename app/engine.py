@@ -388,6 +388,10 @@ class Engine:
         return tuple(candidates)
 
     # --- the request path ------------------------------------------------------------
+    async def on_tokenizer_thread(self, fn, *args):
+        """Run fn(*args) on the one tokenizer thread: long texts stall no one, and the tokenizer is never shared."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_executor, fn, *args)
+
     async def score(self, request: ScoreRequest) -> dict:
         """Validate, queue every prompt of the request in the batcher, and build the /score response body."""
         self.check_model(request.model)

@@ -18,7 +18,8 @@ from app.generation import Generator
 from app.limits import RequestGuard
 from app.metrics import Metrics
 from app.middleware import ObservabilityMiddleware
-from app.routes import chat, completions, generative_scoring, health, metrics, score, sglang, tokenize
+from app.rerank import RerankFormatError, RerankPrompts, resolve_format
+from app.routes import chat, completions, generative_scoring, health, metrics, rerank, score, sglang, tokenize
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -89,6 +90,12 @@ def create_app(
                      dtype_name, model.load_seconds, model.vocab_size, model.max_length)
             metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
             engine = Engine(model, settings, on_batch=metrics_registry.observe_batch)
+            try:
+                app.state.rerank = RerankPrompts.bind(resolve_format(settings.rerank_format, model.tokenizer),
+                                                      model.tokenizer)
+            except RerankFormatError as exc:  # the other routes serve on; the rerank routes say why they cannot
+                app.state.rerank = str(exc)
+                log.warning("reranking unavailable: %s", exc)
             started = time.perf_counter()
             await asyncio.to_thread(engine.warm_up)
             engine.start()
@@ -126,6 +133,7 @@ def create_app(
         responses=edge_error_responses(with_api_key=settings.api_key is not None),  # issue 7
     )
     app.state.lifecycle = state
+    app.state.rerank = "the model is loading"  # RerankPrompts once loaded, or why reranking is unavailable
     app.state.settings = settings
     app.state.metrics = metrics_registry
     install_error_handlers(app)
@@ -142,4 +150,5 @@ def create_app(
     app.include_router(tokenize.router)
     app.include_router(sglang.router)
     app.include_router(generative_scoring.router)
+    app.include_router(rerank.router)
     return app

@@ -116,3 +116,8 @@ class Settings(BaseSettings):
     """Memory for the key/value states of recent shared prefixes, reused across batches and requests (0: off)."""
     max_candidates: int = Field(default=256, ge=1)
     """Most `candidates` in one /score request."""
+
+    # --- reranking ---
+    rerank_format: str = "chat"
+    """Prompt of the rerank routes: `chat` (the model's chat template), `qwen3-reranker` (Qwen3-Reranker's own
+    format), or the path of a JSON file with prefix, query, document, suffix, yes and no."""

