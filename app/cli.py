@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
@@ -12,10 +15,11 @@ from pydantic_settings import CliApp
 from app.logs import configure_logging
 from app.settings import Settings
 
-USAGE = "usage: genscore {serve,warm-cache} [--help] [--FLAG VALUE ...]"
+USAGE = "usage: genscore {serve,warm-cache,run-batch} [--help] [--FLAG VALUE ...]"
 COMMANDS = """commands:
   serve        serve a model over HTTP (genscore serve --help lists the flags)
-  warm-cache   convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit"""
+  warm-cache   convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit
+  run-batch    answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)"""
 
 log = logging.getLogger("genscore")
 
@@ -91,12 +95,72 @@ def warm_cache(settings: Settings) -> int:
     return 0
 
 
+def _batch_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="genscore run-batch", add_help=False,
+        description="Answer an OpenAI Batch JSONL file (urls /v1/completions, /v1/chat/completions, /score, "
+                    "/v1/rerank) with the server's own routes in-process. Every `genscore serve` flag applies too.")
+    parser.add_argument("-i", "--input", type=Path, required=True, help="input JSONL, one request per line")
+    parser.add_argument("-o", "--output", type=Path, required=True,
+                        help="output JSONL, one answer per input line of the shard, in input order")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an output a previous run left: skip the lines it already answered")
+    parser.add_argument("--shard", default="0/1", help="i/N: answer every N-th line, starting at line i (0-based)")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once (default 64)")
+    return parser
+
+
+def run_batch(argv: list[str]) -> int:
+    """`genscore run-batch`: 0 when every line got an output line (error lines included), else non-zero."""
+    from app.batch_runner import BatchInputError, BatchOptions, parse_shard
+    from app.batch_runner import run_batch as run
+
+    parser = _batch_parser()
+    if any(arg in ("-h", "--help") for arg in argv):
+        parser.print_help()
+        print("\nServer flags (the same as genscore serve):")
+        CliApp.run(Settings, cli_args=["--help"], cli_prog_name="genscore run-batch")
+        return 0
+    try:
+        args, rest = parser.parse_known_args(argv)
+        shard, shards = parse_shard(args.shard)
+        if args.concurrency < 1:
+            raise ValueError("--concurrency must be at least 1")
+    except (SystemExit, ValueError) as exc:
+        print(f"genscore run-batch: {exc}" if isinstance(exc, ValueError) else "", file=sys.stderr)
+        return 2
+    try:
+        # No deadline by default: a batch row waits its turn behind the window however long the queue is.
+        settings = CliApp.run(Settings, cli_args=["--request-timeout-s", "0", "--no-access-log", *rest],
+                              cli_prog_name="genscore run-batch")
+    except ValidationError as exc:
+        print(f"genscore: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per row would bury the progress lines
+    options = BatchOptions(args.input, args.output, args.resume, shard, shards, min(args.concurrency,
+                                                                                    settings.max_queued_requests))
+    try:
+        counts = asyncio.run(run(settings, options))
+    except BatchInputError as exc:
+        log.error("%s", exc)
+        return 2
+    except RuntimeError as exc:  # the model could not load
+        log.error("%s", exc)
+        return 1
+    log.info("run-batch: wrote %d lines (%d errors), %d were already there", counts["written"], counts["errors"],
+             counts["skipped"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{COMMANDS}")
         return 0 if argv else 2
     commands = {"serve": serve, "warm-cache": warm_cache}
+    if argv[0] == "run-batch":
+        return run_batch(argv[1:])
     if argv[0] not in commands:
         print(f"genscore: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
