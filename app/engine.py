@@ -113,13 +113,16 @@ def softmax_over(values: list[float]) -> list[float]:
 class Engine:
     """Owns the loaded model, the worker thread and the batcher; turns ScoreRequests into response dicts."""
 
-    def __init__(self, loaded: LoadedModel, settings: Settings, on_batch=None):
+    def __init__(self, loaded: LoadedModel, settings: Settings, on_batch=None,
+                 device: ThreadPoolExecutor | None = None):
         self.loaded = loaded
         self.settings = settings
         self.model_name = settings.model_name
         self.max_prompt_tokens = min(settings.max_prompt_tokens or loaded.max_length, loaded.max_length)
-        # One worker thread: torch already uses every core inside a forward pass.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
+        # One worker thread: torch already uses every core inside a forward pass. `device` is the app's one
+        # device thread, shared with the generation loop so the two never drive the model at once.
+        self._owns_device = device is None
+        self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
         # issue 7: tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
         # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
@@ -144,7 +147,8 @@ class Engine:
 
     async def stop(self) -> None:
         await self.batcher.stop()
-        self._executor.shutdown(wait=True)
+        if self._owns_device:
+            self._executor.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)
 
     def warm_up(self) -> None:

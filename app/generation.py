@@ -126,7 +126,7 @@ class Generator(ConsumerLoop):
 
     task_name = "genscore-generation"
 
-    def __init__(self, loaded: LoadedModel, settings: Settings):
+    def __init__(self, loaded: LoadedModel, settings: Settings, device: ThreadPoolExecutor | None = None):
         self.loaded = loaded
         self.max_batch_size = settings.max_batch_size
         self.max_batch_tokens = settings.max_batch_tokens
@@ -136,7 +136,9 @@ class Generator(ConsumerLoop):
         # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
         self.stop_token_ids = frozenset(_eos_ids(loaded))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
+        # the app's one device thread (shared with the scoring batcher), or a thread of its own when alone
+        self._owns_device = device is None
+        self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
         self._waiting: list[_Group] = []
         self._admitting: list[_Group] = []  # taken from _waiting for the step in flight
         self._batch: DecodeBatch | None = None  # rows of self._rows, in order
@@ -148,7 +150,8 @@ class Generator(ConsumerLoop):
     # --- lifecycle -----------------------------------------------------------------------------------------------
     async def stop(self) -> None:
         await super().stop()
-        self._executor.shutdown(wait=True)
+        if self._owns_device:
+            self._executor.shutdown(wait=True)
 
     async def warm_up(self) -> None:
         """Two greedy tokens with prompt logprobs: prefill, a decode step and the sampler, before the first caller."""

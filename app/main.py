@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from app.settings import Settings
 from models import LoadedModel, load_model
 
 log = logging.getLogger("genscore")
+
+DEVICE_THREAD = "genscore-device"  # the name of the one thread that runs model calls
 
 
 @dataclass
@@ -76,6 +79,8 @@ def create_app(
         prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
     )
 
+    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)
+
     async def bring_up() -> None:
         try:
             set_torch_threads(settings)
@@ -89,7 +94,9 @@ def create_app(
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
                      dtype_name, model.load_seconds, model.vocab_size, model.max_length)
             metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
-            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch)
+            # One thread runs every model call, scoring batches and generation steps alike: two threads
+            # would run two torch thread teams on the same cores and interleave their work on the device.
+            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch, device=device)
             try:
                 app.state.rerank = RerankPrompts.bind(resolve_format(settings.rerank_format, model.tokenizer),
                                                       model.tokenizer)
@@ -97,9 +104,9 @@ def create_app(
                 app.state.rerank = str(exc)
                 log.warning("reranking unavailable: %s", exc)
             started = time.perf_counter()
-            await asyncio.to_thread(engine.warm_up)
+            await asyncio.get_running_loop().run_in_executor(device, engine.warm_up)
             engine.start()
-            generator = state.generator = Generator(model, settings)
+            generator = state.generator = Generator(model, settings, device=device)
             generator.start()
             await generator.warm_up()
             state.engine = engine
@@ -124,6 +131,7 @@ def create_app(
                 await state.engine.stop()
             if state.generator is not None:
                 await state.generator.stop()
+            device.shutdown(wait=True)
 
     app = FastAPI(
         title="genscore",

@@ -1,0 +1,45 @@
+"""Scoring batches and generation steps run on one thread: a mixed load of concurrent /score requests and streamed
+completions never drives the model from two threads."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from app.main import DEVICE_THREAD, create_app
+from tests.api.conftest import tiny_settings
+from tests.conftest import live_server
+
+
+def test_mixed_load_runs_every_model_call_on_the_device_thread(tiny_loaded):
+    threads: set[str] = set()
+    lock = threading.Lock()
+
+    def record(_module, _args):
+        with lock:
+            threads.add(threading.current_thread().name)
+
+    hook = tiny_loaded.model.get_input_embeddings().register_forward_pre_hook(record)
+    try:
+        with live_server(create_app(tiny_settings(), loaded=tiny_loaded)) as url:
+            threads.clear()  # warm-up is over; from here on only the callers' work
+
+            def score(i: int) -> int:
+                body = {"query": "The quick brown fox" + " jumps" * i, "label_token_ids": [5, 6]}
+                return httpx.post(f"{url}/score", json=body, timeout=60).status_code
+
+            def stream(i: int) -> int:
+                body = {"model": "tiny-llama", "prompt": "Paris is" + " the" * i, "max_tokens": 12, "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                    chunks = sum(1 for line in response.iter_lines() if line.startswith("data: "))
+                return response.status_code if chunks > 1 else -1
+
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(score if i % 2 else stream, i) for i in range(16)]
+                assert [f.result() for f in futures] == [200] * 16
+    finally:
+        hook.remove()
+    assert threads and all(name.startswith(DEVICE_THREAD) for name in threads), threads
+    assert len(threads) == 1, threads
