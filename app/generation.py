@@ -325,14 +325,40 @@ class Generator(ConsumerLoop):
         self._rows += [new_choices[i] for i in still_running]
         self._batch = merged
 
-    @torch.inference_mode()
     def _decode(self, events: list) -> None:
-        next_tokens = torch.tensor([c.next_token for c in self._rows], dtype=torch.long)  # [B]
-        logits = decode_step(self.loaded.model, self._batch, next_tokens)  # [B, V]
+        """One decode step for every running row; a failing step is retried in halves until the failing row stands
+        alone, so only its caller gets an error and every other row decodes on."""
+        survivors = self._decode_isolated(self._rows, self._batch, events)
+        self._rows = [choice for rows, _ in survivors for choice in rows]
+        self._batch = None
+        for _, batch in survivors:
+            self._batch = merge(self._batch, batch)  # rows in the same order as self._rows
+
+    @torch.inference_mode()
+    def _decode_isolated(self, rows: list[_Choice], batch: DecodeBatch, events: list
+                         ) -> list[tuple[list[_Choice], DecodeBatch]]:
+        """Decode `rows` (the rows of `batch`, in order); returns the (rows, batch) pieces still running."""
+        width = batch.width
+        next_tokens = torch.tensor([c.next_token for c in rows], dtype=torch.long)  # [B]
+        try:
+            logits = decode_step(self.loaded.model, batch, next_tokens)  # [B, V]
+        except Exception:  # noqa: BLE001 - only the row that fails on its own may fail its caller
+            _drop_partial_step(batch, width)
+            if len(rows) == 1:
+                log.exception("decode step failed for one row")
+                events.append((rows[0].group, EngineError("the model failed while generating")))
+                return []
+            log.warning("decode step of %d rows failed; retrying them in halves", len(rows), exc_info=True)
+            half = len(rows) // 2
+            return (self._decode_isolated(rows[:half], select_rows(batch, range(half)), events)
+                    + self._decode_isolated(rows[half:], select_rows(batch, range(half, len(rows))), events))
         self.steps += 1
-        running = self._sample_and_report(self._rows, logits, events)
-        if len(running) != len(self._rows):
-            self._keep_rows(running)
+        running = self._sample_and_report(rows, logits, events)
+        if not running:
+            return []
+        if len(running) != len(rows):
+            rows, batch = [rows[i] for i in running], select_rows(batch, running)
+        return [(rows, batch)]
 
     def _sample_and_report(self, choices: list[_Choice], logits: torch.Tensor, events: list) -> list[int]:
         """Sample one token per choice from logits [c, V], report it, and return the indices still running."""
@@ -415,6 +441,14 @@ class Generator(ConsumerLoop):
             asked = [_position_params(group.params, ids[j + 1]) for j in range(start, stop)]
             positions += _score_positions(logits, asked)
         return positions
+
+
+def _drop_partial_step(batch: DecodeBatch, width: int) -> None:
+    """After a failed decode step: cut the column that the layers it reached appended, so every layer holds `width`
+    columns again (the attention mask grows only when a step succeeds)."""
+    for layer in batch.cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > width:
+            layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
 
 
 def _position_params(params: GenerationParams, token_id: int) -> SamplingParams:
