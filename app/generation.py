@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -126,7 +126,8 @@ class Generator(ConsumerLoop):
 
     task_name = "genscore-generation"
 
-    def __init__(self, loaded: LoadedModel, settings: Settings, device: ThreadPoolExecutor | None = None):
+    def __init__(self, loaded: LoadedModel, settings: Settings, device: ThreadPoolExecutor | None = None,
+                 on_tokens: Callable[[int, int], None] | None = None):
         self.loaded = loaded
         self.max_batch_size = settings.max_batch_size
         self.max_batch_tokens = settings.max_batch_tokens
@@ -146,6 +147,9 @@ class Generator(ConsumerLoop):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0  # decode steps run (tests read it to see batching happen)
+        # told (prompt tokens prefilled, tokens generated) after each step for callers, warm-up excluded (metrics)
+        self._on_tokens = on_tokens
+        self._counting = False
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
     async def stop(self) -> None:
@@ -160,10 +164,16 @@ class Generator(ConsumerLoop):
                                   prompt_logprobs=True)
         async for _ in self.generate(ids, params):
             pass
+        self._counting = True
 
     @property
     def running(self) -> int:
         return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Prompts waiting for a place in the decode batch."""
+        return len(self._waiting)
 
     # --- callers ---------------------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
@@ -247,6 +257,9 @@ class Generator(ConsumerLoop):
             self._admitting = []
             for group, event in events:
                 group.queue.put_nowait(event)
+            if self._on_tokens is not None and self._counting:
+                generated = sum(len(e.token_ids) for _, e in events if isinstance(e, ChoiceUpdate))
+                self._on_tokens(sum(len(g.prompt_ids) for g in admitted), generated)
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         """Whatever ended the loop, nobody may wait forever."""

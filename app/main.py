@@ -77,6 +77,7 @@ def create_app(
     metrics_registry = Metrics(
         queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
         prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
+        generation_counts=lambda: (state.generator.waiting, state.generator.running) if state.generator else None,
     )
 
     device = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)
@@ -106,7 +107,8 @@ def create_app(
             started = time.perf_counter()
             await asyncio.get_running_loop().run_in_executor(device, engine.warm_up)
             engine.start()
-            generator = state.generator = Generator(model, settings, device=device)
+            generator = state.generator = Generator(model, settings, device=device,
+                                                    on_tokens=metrics_registry.observe_generation)
             generator.start()
             await generator.warm_up()
             state.engine = engine

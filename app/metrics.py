@@ -52,6 +52,21 @@ class _QueueCollector(Collector):
         )
 
 
+class _GenerationQueueCollector(Collector):
+    """The generation loop's wait list and decode batch, read at scrape time (the HPA can see a generation backlog)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None]):
+        self._read = read
+
+    def collect(self):
+        counts = self._read()
+        waiting, running = counts if counts is not None else (0, 0)
+        yield GaugeMetricFamily("genscore_generation_waiting",
+                                "Prompts waiting for a place in the generation loop's decode batch.", value=waiting)
+        yield GaugeMetricFamily("genscore_generation_running", "Choices decoding in the generation loop now.",
+                                value=running)
+
+
 class _PrefixCacheCollector(Collector):
     """The shared-prefix cache's counters (models/prefix.py PrefixCacheStats), read at scrape time."""
 
@@ -78,9 +93,11 @@ class Metrics:
     """Every genscore metric, on its own registry so that several apps in one process (tests) never collide."""
 
     def __init__(self, queue_counts: Callable[[], tuple[int, int] | None] = lambda: None,
-                 prefix_cache_stats: Callable[[], object | None] = lambda: None):
+                 prefix_cache_stats: Callable[[], object | None] = lambda: None,
+                 generation_counts: Callable[[], tuple[int, int] | None] = lambda: None):
         """`queue_counts` returns (waiting, running) of the batcher, `prefix_cache_stats` the engine's
-        PrefixCacheStats; each None before the engine exists."""
+        PrefixCacheStats, `generation_counts` (waiting, running) of the generation loop; each None before
+        the engine exists."""
         # No `*_created` series: they double the output and no dashboard reads them (a process-wide switch).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -121,7 +138,7 @@ class Metrics:
             "genscore_prompt_tokens", "Prompt tokens run through the model for answered requests.", registry=registry,
         )
         self.generation_tokens = Counter(
-            "genscore_generation_tokens", "Tokens generated for answered requests.", registry=registry,
+            "genscore_generation_tokens", "Tokens generated for callers (completions and chat).", registry=registry,
         )
         self.model_info = Gauge(
             "genscore_model_info", "The served model (value 1 once loaded).",
@@ -137,6 +154,7 @@ class Metrics:
         )
         registry.register(_QueueCollector(queue_counts))
         registry.register(_PrefixCacheCollector(prefix_cache_stats))
+        registry.register(_GenerationQueueCollector(generation_counts))
 
     # --- feeders -------------------------------------------------------------------
     def observe_batch(self, stats: BatchStats) -> None:
@@ -151,6 +169,11 @@ class Metrics:
         self.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
         self.cached_prompt_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         self.generation_tokens.inc(usage.get("completion_tokens") or 0)
+
+    def observe_generation(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """The generation loop's hook: the tokens one step prefilled and generated for callers."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
 
     def set_model(self, model: str, device: str, dtype: str, load_seconds: float) -> None:
         self.model_info.labels(model=model, device=device, dtype=dtype).set(1)
