@@ -32,6 +32,9 @@ TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
 # Extra tokens past the smallest attention window in the long probe, and its length when there is no window.
 _PAST_WINDOW = 24
 _NO_WINDOW_LENGTH = 40
+# Cap on the long probe: a model with a 4096-token window would otherwise need minutes of CPU per check. Windows
+# up to ~1000 tokens are crossed by the probe; past that the check runs the paths without crossing one.
+_MAX_PROBE_LENGTH = 1024
 # Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
 
@@ -95,7 +98,7 @@ class _Probe:
 
 def _make_probe(model: PreTrainedModel, vocab_size: int, max_length: int) -> _Probe:
     window = smallest_window(model)
-    longest = min(max_length, window + _PAST_WINDOW if window else _NO_WINDOW_LENGTH)
+    longest = min(max_length, _MAX_PROBE_LENGTH, window + _PAST_WINDOW if window else _NO_WINDOW_LENGTH)
     generator = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
