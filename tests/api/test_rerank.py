@@ -133,3 +133,21 @@ def test_label_words_of_several_tokens_leave_the_other_routes_serving(tiny_loade
         assert out.status_code == 400
         assert "rerank label word 'yes'" in out.json()["error"]["message"]
         assert client.post("/score", json={"query": QUERY, "label_token_ids": [5]}).status_code == 200
+
+
+def test_qwen3_reranker_pieces_tokenize_as_the_model_card_does(tiny_loaded):
+    """The card tokenizes its prefix, the whole `<Instruct>: ... <Document>: doc` turn, and its suffix; the shared
+    head + document pieces must give the same ids."""
+    from app.rerank import DEFAULT_INSTRUCTION, RerankPrompts, resolve_format
+
+    tokenizer = tiny_loaded.tokenizer
+    fmt = resolve_format("qwen3-reranker", tokenizer)
+    prompts = RerankPrompts(fmt, tokenizer, 0, 1)  # label ids are not what this test is about
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for query, document in [(QUERY, DOCUMENTS[0]), ("red or blue", "Answer: blue, 7 times.")]:
+        body = f"<Instruct>: {DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+        card = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (prefix, body, suffix)]
+        ours = prompts.head(query, None) + prompts.document(document, None) + prompts.tail()
+        assert ours == card[0] + card[1] + card[2]
