@@ -16,7 +16,9 @@
 #   DEBIAN_SUITE   [bookworm]  its python3 must be the one the torch wheel is built for (bookworm: 3.11)
 #   DEBIAN_MIRROR  [http://deb.debian.org/debian]
 #   WHEEL_DIR      [the directory of pip's find-links holding a torch wheel, if any]
-#   BUILD_ARGS     []          more `podman build` flags, e.g. "--build-arg BAKE_WEIGHTS_CACHE=0"
+#   BUILD_ARGS     []          more `podman build` flags, e.g. "--build-arg BAKE_WEIGHTS_CACHE=0", or
+#                              "--layers" to keep a layer cache (on vfs storage every layer is a full
+#                              copy of the filesystem: ~20 GB for this Dockerfile, ~10 GB more per rebuild)
 # podman runs through scripts/podman.sh (the flags that work in the development sandbox).
 set -eu
 
@@ -43,7 +45,7 @@ ensure_tools() {
     say "installing$missing with apt-get"
     apt-get update -qq
     # shellcheck disable=SC2086 # one word per package
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
 }
 
 # The torch wheel pip would take on this host: a find-links directory holding one, or WHEEL_DIR.
@@ -130,22 +132,21 @@ write_pip_host() {
         echo "# Written by scripts/build_image.sh from the build host's pip settings."
         echo "[global]"
         index_url=$(pip_setting index-url)
-        [ -z "$index_url" ] || echo "index-url = $index_url"
-        extra=""
-        for url in $(pip_setting extra-index-url); do
+        extra=$(pip_setting extra-index-url)
+        for url in $index_url $extra; do
             case "$url" in
             file://*)
                 dir=${url#file://}
                 dir=${dir%/}
-                [ -d "$dir" ] || continue
                 # The parent too: a simple index's pages link to files next to it (../../files/...).
-                dir=$(dirname "$dir")
-                volumes="$volumes -v $dir:$dir:ro"
+                if [ -d "$dir" ]; then
+                    volumes="$volumes -v $(dirname "$dir"):$(dirname "$dir"):ro"
+                fi
                 ;;
             esac
-            extra="$extra $url"
         done
-        [ -z "$extra" ] || echo "extra-index-url =$extra"
+        [ -z "$index_url" ] || echo "index-url = $index_url"
+        [ -z "$extra" ] || echo "extra-index-url = $extra"
         cert=$(pip_setting cert)
         if [ -n "$cert" ] && [ -f "$cert" ]; then
             # An intercepting proxy's CA lives in the host's bundle only: pip in the build needs it too.
@@ -178,13 +179,19 @@ volumes=$(write_pip_host "$wheel_dir")
 say "pip settings for the build: $PIP_HOST/pip.conf"
 sed 's/^/    /' "$PIP_HOST/pip.conf" >&2
 
+previous=$("$PODMAN" image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 started=$(date +%s)
+# docker format: the OCI format has no HEALTHCHECK. No layer cache unless asked for (see BUILD_ARGS).
 # shellcheck disable=SC2086 # flag lists
-# docker format: the OCI format has no HEALTHCHECK.
-"$PODMAN" build --network host --layers --format docker \
+"$PODMAN" build --network host --layers=false --format docker \
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-context pip-host="$PIP_HOST" \
     $build_flags $volumes ${BUILD_ARGS:-} \
     -t "$IMAGE" -f "$ROOT/Dockerfile" "$ROOT"
 say "built $IMAGE in $(($(date +%s) - started)) s"
+current=$("$PODMAN" image inspect --format '{{.Id}}' "$IMAGE")
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+    # The image this tag named before: ~2 GB that nothing refers to any more, unless a container does.
+    "$PODMAN" rmi "$previous" >/dev/null 2>&1 || say "kept the previous $IMAGE ($previous): still in use"
+fi
 "$PODMAN" image inspect --format 'size: {{.Size}} bytes' "$IMAGE" >&2

@@ -39,7 +39,8 @@ IMAGE = PREBUILT_IMAGE or "localhost/genscore:test"
 BUILD_TIMEOUT_S = 3600  # a first build on vfs storage and 2 cores; later ones reuse the cached layers
 READY_TIMEOUT_S = 300  # the startup probe's budget in deploy/base
 MEASUREMENTS = ROOT / "build" / "test-image.json"
-# Each batch waits up to 1 s for more work: a request is still in flight when SIGTERM comes.
+# Each batch waits up to 1 s for more work, so a request is still in flight when SIGTERM comes; torch threads
+# stand in for the pod's CPU limit (a resourceFieldRef), here the machine's 2 cores.
 TEST_ENV = {"GENSCORE_MAX_WAIT_MS": "1000", "GENSCORE_MAX_BATCH_SIZE": "64", "GENSCORE_TORCH_THREADS": "2"}
 
 REQUESTS = [
@@ -116,7 +117,8 @@ def _run_flags(pod: dict, container: dict, shared_dirs: dict[str, Path]) -> list
     return flags
 
 
-def _server_env(pod: dict, config: dict, container: dict, port: int) -> dict[str, str]:
+def _server_env(config: dict, container: dict, port: int) -> dict[str, str]:
+    """The server's environment as in the pod (ConfigMap, then the container's values), plus this test's."""
     env = dict(config)
     env.update({e["name"]: e["value"] for e in container.get("env", ()) if "value" in e})
     env.update(TEST_ENV, GENSCORE_HOST="127.0.0.1", GENSCORE_PORT=str(port))
@@ -142,7 +144,7 @@ class Pod:
                 path.mkdir()
                 path.chmod(0o777)  # an emptyDir's mode
                 self.shared[volume["name"]] = path
-        self.env = _server_env(self.spec, config, self.server, self.port)
+        self.env = _server_env(config, self.server, self.port)
         self.init = init
 
     def seed(self) -> None:
