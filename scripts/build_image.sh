@@ -163,6 +163,10 @@ write_pip_host() {
     echo "$volumes"
 }
 
+case "${1:-}" in
+"" | base) ;;
+*) echo "usage: $0 [base]" >&2; exit 2 ;;
+esac
 ensure_tools
 build_base
 [ "${1:-}" = base ] && exit 0
