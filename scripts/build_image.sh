@@ -83,6 +83,13 @@ pip_setting() {
     done
 }
 
+# Fails with podman's own words when it cannot run here (a refused runtime, storage driver, ...).
+check_podman() {
+    if ! error=$("$PODMAN" info 2>&1 >/dev/null); then
+        die "podman cannot run here: \`$PODMAN info\` failed: $error"
+    fi
+}
+
 build_base() {
     if "$PODMAN" image exists "$BASE_IMAGE"; then
         say "base image $BASE_IMAGE exists"
@@ -168,6 +175,7 @@ case "${1:-}" in
 *) echo "usage: $0 [base]" >&2; exit 2 ;;
 esac
 ensure_tools
+check_podman
 build_base
 [ "${1:-}" = base ] && exit 0
 
