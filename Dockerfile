@@ -1,12 +1,14 @@
 # syntax=docker/dockerfile:1
 #
-# genscore container image. Two stages: `builder` installs everything into a venv at
+# genscore container image. Two stages (and the empty `pip-host` below): `builder` installs everything into a venv at
 # /opt/venv, `runtime` (the default target) copies that venv onto a clean slim base and
 # runs as an unprivileged user. See deploy/README.md for build and run commands.
 #
 #   CPU  (default):  docker build -t genscore:0.1.0 .
 #   CUDA:            docker build -t genscore:0.1.0-cuda \
 #                      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 .
+#   podman, no registry, a local torch wheel (the development machines): make image
+#                    (scripts/build_image.sh: a debootstrap base and the pip-host context below)
 #
 # The CUDA image is the same slim base with a CUDA build of torch: the PyTorch CUDA wheels
 # carry the CUDA user-space libraries (cuBLAS, cuDNN, NCCL, ...) as nvidia-* wheels, so the
