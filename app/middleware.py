@@ -24,8 +24,11 @@ access_log = logging.getLogger("genscore.access")
 
 # A caller's id is echoed into headers and logs: accept only short, plain tokens (no spaces, quotes or newlines).
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
-# Probes and scrapes arrive every few seconds from the kubelet and Prometheus; they are logged at DEBUG only.
-_QUIET_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+# The kubelet probes every few seconds, and Prometheus scrapes as often: their lines are DEBUG only. A failing
+# probe too (503 while loading or draining): the server logs those changes of state once, at INFO or ERROR.
+# A failing scrape (401 with --no-public-metrics) is not logged elsewhere, so it stays at INFO.
+_PROBE_ROUTES = frozenset({"/health", "/ready"})
+_SCRAPE_ROUTES = frozenset({"/metrics"})
 _CLIENT_CLOSED = 499  # nginx's code for "the client went away"; the status label when no response was sent
 
 
@@ -110,7 +113,8 @@ class ObservabilityMiddleware:
 
     @staticmethod
     def _log(scope: Scope, route: str, status: int, elapsed: float, request_id: str) -> None:
-        level = logging.DEBUG if route in _QUIET_ROUTES and status < 400 else logging.INFO
+        quiet = route in _PROBE_ROUTES or (route in _SCRAPE_ROUTES and status < 400)
+        level = logging.DEBUG if quiet else logging.INFO
         if not access_log.isEnabledFor(level):
             return
         client = scope.get("client")

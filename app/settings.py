@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AfterValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
+
+# A logprobs mode read as its value (`raw_logprobs`): typed as the values' Literal, not as the enum, because
+# pydantic-settings lists an enum's member names (RAW_LOGPROBS) in --help; converted to the enum once read.
+LogprobsModeSetting = Annotated[Literal[tuple(m.value for m in LogprobsMode)], AfterValidator(LogprobsMode)]
 
 
 class Settings(BaseSettings):
@@ -49,7 +53,7 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(default=5.0, ge=0)
     """How long the batcher waits for more work before running a batch that is not full."""
 
-    default_logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
+    default_logprobs_mode: LogprobsModeSetting = Field(default=LogprobsMode.RAW_LOGPROBS.value, validate_default=True)
     """Logprobs mode of requests that do not name one."""
     max_top_logprobs: int = Field(default=20, ge=0)
     """Cap on `top_logprobs`."""

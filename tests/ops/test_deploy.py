@@ -138,6 +138,21 @@ def test_dockerfile_structure():
     assert any(line.startswith("ARG BAKE_WEIGHTS_CACHE=1") for line in final[:bake])
 
 
+def test_install_steps_mount_the_pip_host_context():
+    """The host's pip settings reach every install step; without --build-context the stage is empty."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    assert re.search(r"^FROM scratch AS pip-host$", text, re.MULTILINE)
+    runs = [line for line in text.splitlines() if "sh scripts/install.sh" in line and not line.startswith("#")]
+    assert len(runs) == 4
+    assert all("--mount=type=bind,from=pip-host,target=/pip-host" in line for line in runs), runs
+    assert "PIP_CONFIG_FILE=/pip-host/pip.conf" in text
+
+
+def test_image_scripts_parse():
+    for script in ("build_image.sh", "podman.sh"):
+        subprocess.run(["sh", "-n", str(ROOT / "scripts" / script)], check=True, timeout=30)
+
+
 def _install_steps(text: str) -> list[str]:
     """The scripts/install.sh steps a Dockerfile or Makefile runs (`sh scripts/install.sh STEP...`), in order."""
     steps = []

@@ -146,3 +146,58 @@ def test_configure_logging_json_covers_uvicorn(capsys):
     entries = [json.loads(line) for line in err]
     assert [e["message"] for e in entries] == ["Uvicorn running"]
     assert entries[0]["logger"] == "uvicorn.error"
+
+
+PROBES = ("/ready", "/health", "/metrics")
+
+
+def _kubelet_probe_loop(client, count: int = 60) -> list[int]:
+    """A kubelet's startup/readiness/liveness probes and a Prometheus scrape, without the seconds between them."""
+    return [client.get(PROBES[i % len(PROBES)], headers={"User-Agent": "kube-probe/1.37"}).status_code
+            for i in range(count)]
+
+
+_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore")  # the test client's own request lines
+
+
+def _info_lines(caplog) -> list[str]:
+    """The server's lines at INFO and above."""
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records
+            if r.levelno >= logging.INFO and r.name.split(".")[0] not in _CLIENT_LOGGERS]
+
+
+def test_probe_loop_adds_no_info_lines_while_real_requests_keep_theirs(client, caplog):
+    with caplog.at_level(logging.INFO):
+        statuses = _kubelet_probe_loop(client)
+        assert set(statuses) == {200}
+        assert _info_lines(caplog) == []
+        assert client.post("/score", json=SCORE, headers={"X-Request-ID": "real-1"}).status_code == 200
+    access = [r for r in caplog.records if r.name == "genscore.access"]
+    assert [(r.levelno, r.request_id, r.http["route"]) for r in access] == [(logging.INFO, "real-1", "/score")]
+
+
+def test_failing_probes_while_not_ready_add_no_info_lines(tiny_loaded, caplog):
+    """The startup probe fails every few seconds while the model loads, readiness while draining: no INFO line each."""
+    with make_client(tiny_loaded) as not_ready, caplog.at_level(logging.INFO):
+        wait_ready(not_ready)
+        caplog.clear()
+        not_ready.app.state.lifecycle.start_draining()
+        statuses = _kubelet_probe_loop(not_ready)
+        assert 503 in statuses
+        assert _info_lines(caplog) == []
+
+
+def test_probe_lines_are_there_at_debug(client, caplog):
+    with caplog.at_level(logging.DEBUG, logger="genscore.access"):
+        _kubelet_probe_loop(client, count=3)
+    lines = [r for r in caplog.records if r.name == "genscore.access"]
+    assert [(r.levelno, r.http["route"]) for r in lines] == [(logging.DEBUG, p) for p in PROBES]
+
+
+def test_failing_scrape_stays_at_info(tiny_loaded, caplog):
+    """A scraper without the API key (with --no-public-metrics) is misconfigured, and nothing else says so."""
+    with make_client(tiny_loaded, api_key="k", public_metrics=False) as locked, caplog.at_level(logging.INFO):
+        wait_ready(locked)
+        assert locked.get("/metrics").status_code == 401
+    access = [r for r in caplog.records if r.name == "genscore.access"]
+    assert [(r.levelno, r.http["status"]) for r in access] == [(logging.INFO, 401)]
