@@ -24,18 +24,19 @@ def tokens(loaded, text, special=True):
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
-def arch_client(request, tiny_model_dirs, tiny_loaded):
+def arch_client(request, tiny_model_dirs, tiny_loaded, plain_models):
+    """(client, served model, plain reference model) for one architecture."""
     loaded = tiny_loaded if request.param == "llama" else load_model(str(tiny_model_dirs[request.param]), "cpu",
                                                                      "float32")
     with TestClient(create_app(tiny_settings(max_batch_size=3), loaded=loaded)) as client:
         wait_ready(client)
         assert client.app.state.lifecycle.engine.share_prefixes
-        yield client, loaded
+        yield client, loaded, plain_models[request.param]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_items_over_a_shared_prefix_equal_scoring_from_scratch(arch_client, mode):
-    client, loaded = arch_client
+    client, loaded, plain = arch_client
     body = {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "logprobs_mode": mode, "top_logprobs": 5,
             **PROCESSORS}
     out = client.post("/score", json=body)
@@ -43,14 +44,14 @@ def test_items_over_a_shared_prefix_equal_scoring_from_scratch(arch_client, mode
     data = out.json()["data"]
     q = tokens(loaded, QUERY)
     for item, entry in zip(ITEMS, data):
-        expected = mode_values(position_logits(loaded.model, q + tokens(loaded, item, False))[-1], mode, PROCESSORS)
+        expected = mode_values(position_logits(plain, q + tokens(loaded, item, False))[-1], mode, PROCESSORS)
         assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
         top = [t["logprob"] for t in entry["top_logprobs"]]
         assert top == pytest.approx(as_json(expected.topk(5).values), abs=TOL)
 
 
 def test_cached_tokens_count_the_shared_query(arch_client):
-    client, loaded = arch_client
+    client, loaded, _ = arch_client
     engine = client.app.state.lifecycle.engine
     engine.prefix_cache.clear()
     query = QUERY + " Once more."
@@ -98,7 +99,7 @@ def test_prefix_cache_and_sharing_off_give_the_same_numbers(tiny_loaded):
         [d["label_logprobs"] for d in with_cache[1]["data"][4:]]
 
 
-def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded):
+def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded, plain_tiny):
     """item_first puts the query last, so only a common start of the items is shared; truncation cuts the query."""
     items = [" The movie was", " The movie was not", " The"]
     for extra in ({"item_first": True}, {"truncate_prompt_tokens": 6}):
@@ -107,7 +108,7 @@ def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded):
         for item, entry in zip(items, out["data"]):
             i = tokens(tiny_loaded, item, False)
             ids = i + q if extra.get("item_first") else (q + i)[-6:]
-            expected = mode_values(position_logits(tiny_loaded.model, ids)[-1], "raw_logprobs", {})
+            expected = mode_values(position_logits(plain_tiny, ids)[-1], "raw_logprobs", {})
             assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
 
 

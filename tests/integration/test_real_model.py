@@ -100,7 +100,7 @@ def test_same_numbers_alone_and_in_a_mixed_batch(real_client, real_loaded):
 def test_gguf_cache_gives_identical_weights(real_loaded, reference_model, default_model_cache):
     """A load from the safetensors cache holds exactly the GGUF's dequantized weights and computes the same logits."""
     from models import load_model
-    from models.forward import forward_logits
+    from tests.reference import last_logits
 
     real_loaded  # the session's first load wrote the cache
     assert any(default_model_cache.glob("gguf/*/config.json"))
@@ -109,7 +109,7 @@ def test_gguf_cache_gives_identical_weights(real_loaded, reference_model, defaul
     plain, reloaded = reference_model.state_dict(), cached.model.state_dict()
     assert plain.keys() == reloaded.keys()
     assert all(torch.equal(plain[name], reloaded[name]) for name in plain)
-    ids = [real_loaded.tokenizer(QUERY)["input_ids"]]
-    # Equal weights, but the dequantized tensors' memory layout differs, so kernels may sum in another order.
-    torch.testing.assert_close(forward_logits(cached.model, ids, cached.pad_token_id),
-                               forward_logits(reference_model, ids, real_loaded.pad_token_id), atol=1e-5, rtol=0)
+    ids = real_loaded.tokenizer(QUERY)["input_ids"]
+    # Both called the plain way, model(input_ids).logits. Equal weights, but the dequantized tensors' memory layout
+    # differs, so kernels may sum in another order.
+    torch.testing.assert_close(last_logits(cached.model, ids), last_logits(reference_model, ids), atol=1e-5, rtol=0)

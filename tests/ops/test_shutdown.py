@@ -114,24 +114,23 @@ def wait_for_in_progress(server: ServerProcess, count: int) -> None:
         time.sleep(0.02)
 
 
-def reference_logprobs(loaded) -> list[list[float]]:
+def reference_logprobs(tokenizer, plain) -> list[list[float]]:
     """Plain float32 transformers forward of each unpadded query + item: the label logprobs [item][label]."""
-    tokenizer = loaded.tokenizer
     query = tokenizer(BODY["query"])["input_ids"]
     rows = []
     for item in BODY["items"]:
         ids = query + tokenizer(item, add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
-            logprobs = torch.log_softmax(loaded.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)  # [V]
+            logprobs = torch.log_softmax(plain(torch.tensor([ids])).logits[0, -1].float(), dim=-1)  # [V]
         rows.append(logprobs[BODY["label_token_ids"]].tolist())
     return rows
 
 
-def test_sigterm_answers_every_request_in_flight(serve, tiny_loaded):
+def test_sigterm_answers_every_request_in_flight(serve, tiny_loaded, plain_tiny):
     n_requests = 6
     # Batches close after 3 s unless 64 sequences arrive: the requests below wait in the batcher.
     server = serve("--max-wait-ms", "3000", "--max-batch-size", "64", "--drain-timeout-s", "60")
-    expected = reference_logprobs(tiny_loaded)  # the server loads the same tiny model folder
+    expected = reference_logprobs(tiny_loaded.tokenizer, plain_tiny)  # the server loads the same tiny model folder
 
     with ThreadPoolExecutor(n_requests) as pool:
         futures = [pool.submit(post_score, server.base_url, f"inflight-{i}") for i in range(n_requests)]
