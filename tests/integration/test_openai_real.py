@@ -120,7 +120,10 @@ def test_sdk_against_the_real_model(real_sdk, real_loaded, reference_model):
     out = real_sdk.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     reference = _generate_reference(reference_model, tokenizer(PROMPTS[0])["input_ids"], 8)
     assert out.choices[0].text == tokenizer.decode(reference, skip_special_tokens=True)
-    stream = real_sdk.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}], max_completion_tokens=8,
-        temperature=0, stream=True)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    messages = [{"role": "user", "content": "Say hello."}]
+    stream = real_sdk.chat.completions.create(model="smollm2-135m", messages=messages, max_completion_tokens=8,
+                                              temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    assert streamed == tokenizer.decode(_generate_reference(reference_model, ids, 8), skip_special_tokens=True)

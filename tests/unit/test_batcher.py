@@ -75,7 +75,8 @@ async def test_token_budget_counts_padding():
 
 async def test_failed_batch_is_split_so_only_the_failing_unit_fails():
     handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch))
-    batcher = make(handler)
+    # the batch closes when its 7th unit arrives (never on the wait): all seven share it
+    batcher = make(handler, max_batch_size=7, max_wait_ms=60_000)
     batcher.start()
     callers = [[("ok0", 1)], [("ok1", 1), ("ok2", 1)], [("bad", 1)], [("ok3", 1)], [("ok4", 1), ("ok5", 1)]]
     outcomes = await asyncio.gather(*(batcher.submit(w) for w in callers), return_exceptions=True)
@@ -83,9 +84,16 @@ async def test_failed_batch_is_split_so_only_the_failing_unit_fails():
     for works, got in zip(callers, outcomes):
         if works[0][0] != "bad":
             assert got == [("done", w) for w in works]
-    assert len(handler.batches[0]) == 7  # they did share one batch, which failed
-    assert [w[0] for w in handler.batches[-1]] != ["bad"] or len(handler.batches) > 2
-    assert sum(b == [("bad", 1)] for b in handler.batches) == 1  # bisected down to the bad unit alone, once
+    # the shared batch failed and was retried in halves, each failing half split again, down to "bad" alone
+    assert [[w[0] for w in b] for b in handler.batches] == [
+        ["ok0", "ok1", "ok2", "bad", "ok3", "ok4", "ok5"],
+        ["ok0", "ok1", "ok2"],
+        ["bad", "ok3", "ok4", "ok5"],
+        ["bad", "ok3"],
+        ["bad"],
+        ["ok3"],
+        ["ok4", "ok5"],
+    ]
     assert await batcher.submit([("after", 1)]) == [("done", ("after", 1))]
     assert batcher.alive
     await batcher.stop()
