@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from tests.api.conftest import TINY_NAME, tiny_settings
 from tests.conftest import live_server, wait_ready
+from tests.gates import Step, StepGate, async_wait_until
 from tests.reference import greedy_reference
 
 PROMPT = "The quick brown fox"
@@ -167,47 +168,59 @@ def test_sampling_with_a_seed_is_reproducible(client):
     assert [c["text"] for c in other_seed["choices"]] != texts
 
 
-def test_seeded_request_is_the_same_alongside_other_traffic(client):
+async def _join_a_running_batch(app, gate: StepGate, first: dict, others: list[dict]) -> list[httpx.Response]:
+    """POST `first`, hold the generation loop at its first step, queue `others` behind it, then let it go: the
+    others are admitted together while `first` is decoding."""
+    generator = app.state.lifecycle.generator
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as ac:
+        gate.hold()
+        head = asyncio.create_task(ac.post("/v1/completions", json=first))
+        await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
+        rest = [asyncio.create_task(ac.post("/v1/completions", json=b)) for b in others]
+        await async_wait_until(lambda: len(generator._waiting) == len(others), what="the others to queue")
+        gate.release()
+        return [await head] + list(await asyncio.gather(*rest))
+
+
+@pytest.fixture
+def step_gate(client):
+    gate = StepGate(client.app.state.lifecycle.generator)
+    yield gate
+    gate.remove()
+
+
+def test_seeded_request_is_the_same_alongside_other_traffic(client, step_gate):
     """The same seeded request alone and while other requests decode in the same batch."""
     body = dict(prompt="Paris is the capital of", max_tokens=10, temperature=0.9, top_k=20, seed=42)
     alone = complete(client, **body)["choices"][0]["text"]
-    noise = dict(prompt=["The quick", "0 1 2 3 4 5 6"], max_tokens=15, temperature=1.0)
-
-    async def together():
-        transport = httpx.ASGITransport(app=client.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
-            responses = await asyncio.gather(ac.post("/v1/completions", json=noise),
-                                             ac.post("/v1/completions", json=body),
-                                             ac.post("/v1/completions", json=noise))
-        return [r.json() for r in responses]
-
-    results = client.portal.call(together)
-    assert results[1]["choices"][0]["text"] == alone
+    noise = dict(prompt="0 1 2 3 4 5 6", n=2, max_tokens=15, temperature=1.0, seed=3)  # two rows of one prompt
+    step_gate.steps.clear()
+    results = client.portal.call(_join_a_running_batch, client.app, step_gate, noise, [body, noise])
+    assert [r.status_code for r in results] == [200] * 3
+    assert Step(admitted=2, running=2) in step_gate.steps, step_gate.steps  # joined the noise while it decoded
+    assert results[1].json()["choices"][0]["text"] == alone
 
 
-def test_concurrent_requests_share_decode_steps_and_match_solo_greedy(client):
+def test_concurrent_requests_share_decode_steps_and_match_solo_greedy(client, step_gate):
     """Requests of different lengths join and leave the running batch; each still gets its solo greedy output."""
     bodies = [dict(prompt=p, max_tokens=m, temperature=0, logprobs=0)
               for p, m in [(PROMPT, 14), ("Paris is", 3), ("0 1 2 3 4 5 6 7 8 9 A B C D true", 9), ("Is", 6)]]
     solo = [complete(client, **b)["choices"][0] for b in bodies]
     generator = client.app.state.lifecycle.generator
-    steps_before = generator.steps
-
-    async def together():
-        transport = httpx.ASGITransport(app=client.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
-            async def staggered(i, body):
-                await asyncio.sleep(0.01 * i)  # later ones join a batch that is already decoding
-                return (await ac.post("/v1/completions", json=body)).json()
-            return await asyncio.gather(*(staggered(i, b) for i, b in enumerate(bodies)))
-
-    results = client.portal.call(together)
+    step_gate.steps.clear()
+    results = [r.json() for r in client.portal.call(_join_a_running_batch, client.app, step_gate, bodies[0],
+                                                    bodies[1:])]
     for alone, shared in zip(solo, results):
         assert shared["choices"][0]["text"] == alone["text"]
         assert shared["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
             alone["logprobs"]["token_logprobs"], abs=1e-5)
+    # the three joined the first while it was decoding, all four decoded together, and they left one by one
+    assert step_gate.steps[:3] == [Step(1, 0), Step(3, 1), Step(0, 4)], step_gate.steps
     total_tokens = sum(len(c["logprobs"]["tokens"]) for c in solo)
-    assert generator.steps - steps_before < total_tokens  # decode steps were shared
+    # a step prefills its newcomers (their first token) and decodes every row: the longest, the first, needs n - 1
+    assert len(step_gate.steps) == len(solo[0]["logprobs"]["tokens"]) - 1
+    assert len(step_gate.steps) < total_tokens
     assert generator.running == 0
 
 
