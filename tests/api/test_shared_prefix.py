@@ -139,3 +139,43 @@ def test_metrics_report_the_prefix_cache_and_cached_tokens(client, tiny_loaded):
         second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert after["genscore_prompt_tokens_cached_total"] - before["genscore_prompt_tokens_cached_total"] == cached
+
+
+def test_a_small_prefix_cache_evicts_and_still_gives_the_plain_numbers(tiny_loaded, plain_tiny):
+    """--prefix-cache-mb sized for one query's states, over real HTTP: a second query evicts the first, the first
+    computes again, and every answer is the plain model's, whatever the cache held."""
+    import httpx
+
+    from tests.conftest import live_server
+
+    first = tokens(tiny_loaded, QUERY)
+    queries = [first, first[:-1] + [first[-1] + 1]]  # the same length, so the same state size
+    items = [tokens(tiny_loaded, item, False) for item in ITEMS]
+    with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as sizing:
+        wait_ready(sizing)
+        body = {"query": queries[0], "items": items, "label_token_ids": LABELS}
+        assert sizing.post("/score", json=body).status_code == 200
+        state_bytes = sizing.app.state.lifecycle.engine.prefix_cache.stats.bytes
+    assert state_bytes > 0
+    app = create_app(tiny_settings(prefix_cache_mb=1.5 * state_bytes / 2**20), loaded=tiny_loaded)
+    with live_server(app) as base_url:
+        stats = app.state.lifecycle.engine.prefix_cache.stats
+        answers = []
+        for query in (queries[0], queries[1], queries[0], queries[0]):
+            response = httpx.post(f"{base_url}/score", timeout=30,
+                                  json={"query": query, "items": items, "label_token_ids": LABELS})
+            assert response.status_code == 200, response.text
+            answers.append((query, response.json()))
+            assert stats.bytes <= stats.capacity_bytes and stats.entries == 1
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    # A misses, B misses and evicts A, A misses and evicts B, A hits
+    assert (stats.misses, stats.hits, stats.evictions) == (3, 1, 2)
+    assert "genscore_prefix_cache_evictions_total 2.0" in metrics
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for _, a in answers]
+    q = len(first)
+    assert cached == [q * (len(ITEMS) - 1)] * 3 + [q * len(ITEMS)]
+    for query, answer in answers:
+        for item, entry in zip(items, answer["data"]):
+            ids = query + item
+            expected = mode_values(position_logits(plain_tiny, ids)[-1], "raw_logprobs", {})
+            assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
