@@ -44,10 +44,10 @@ def as_json(values) -> list[float]:
     return [NEG_INF_JSON if v == float("-inf") else v for v in values]
 
 
-def plain_model(folder: str | Path, **kwargs):
-    """The model exactly as transformers loads it, float32, eval mode: the reference every "matches transformers"
-    test compares with. Loaded straight with from_pretrained, so none of genscore's loading or serving code runs."""
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
+def plain_model(folder: str | Path, dtype: torch.dtype = torch.float32, **kwargs):
+    """The model exactly as transformers loads it, in eval mode: the reference every "matches transformers" test
+    compares with. Loaded straight with from_pretrained, so none of genscore's loading or serving code runs."""
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs).eval()
     assert_plain(model)
     return model
 
