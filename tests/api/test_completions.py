@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from tests.api.conftest import TINY_NAME, tiny_settings
 from tests.conftest import live_server, wait_ready
-from tests.gates import Step, StepGate, async_wait_until
+from tests.gates import Step, StepGate, async_wait_until, wait_until
 from tests.reference import greedy_reference
 
 PROMPT = "The quick brown fox"
@@ -343,11 +343,7 @@ def test_stream_disconnect_frees_the_batch(client):
 
     assert client.portal.call(read_two_chunks) == 2
     generator = client.app.state.lifecycle.generator
-    for _ in range(200):
-        if generator.running == 0:
-            break
-        client.portal.call(asyncio.sleep, 0.02)
-    assert generator.running == 0
+    wait_until(lambda: generator.running == 0, what="the disconnected stream's row to be dropped")
     assert complete(client, prompt=PROMPT, max_tokens=2)["choices"]  # still serving
 
 
