@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from app.main import create_app
 from app.settings import Settings
 from tests.conftest import live_server

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -16,6 +14,7 @@ import torch
 from app.main import create_app
 from tests.api.conftest import client, tiny_settings  # noqa: F401 - `client`: the in-process app on the tiny model
 from tests.conftest import live_server
+from tests.gates import async_wait_until, wait_until  # noqa: F401 - re-exported for the tier's tests
 
 POISON = 13  # a token id that makes the injected fault fire when it reaches the model
 
@@ -76,23 +75,6 @@ def serving(tiny_loaded, **settings):
     app = create_app(tiny_settings(**settings), loaded=tiny_loaded)
     with live_server(app) as base_url:
         yield base_url, app
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll until `condition()` holds; a bound on waiting, never a measured time."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-async def async_wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def bisection(size: int, bad: int) -> list[int]:
