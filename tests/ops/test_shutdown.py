@@ -48,9 +48,9 @@ class ServerProcess:
         self.log_path = workdir / "server.log"
         self.gate = workdir / "gate"
         self.gate.mkdir()
-        command = [sys.executable, str(GATED_SERVE), "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                    "--device", "cpu", "--dtype", "float32", "--cache-dir", str(workdir / "cache"),
-                    "--log-format", "json", "--torch-threads", "1", *flags]
+        command = [sys.executable, str(GATED_SERVE), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
+                   "--cache-dir", str(workdir / "cache"), "--log-format", "json", "--torch-threads", "1", *flags]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GENSCORE_")}
         env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TEST_GATE_DIR=str(self.gate))
         self._log = self.log_path.open("wb")
