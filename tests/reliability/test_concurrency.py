@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.gates import StepGate, async_wait_until, wait_until
+from tests.gates import async_wait_until, wait_until
 from tests.reference import greedy_reference, last_logits
 from tests.reliability.conftest import serving
 
@@ -122,64 +122,64 @@ def test_every_route_tokenizes_on_one_thread_and_gets_its_own_ids(gated_tokenize
 
 
 def test_score_forward_pass_interleaved_with_streaming_decode_steps(tiny_loaded, plain_tiny):
-    """A /score forward pass (two prompts packed in one row) is held halfway through the model's layers while a
-    streamed completion runs decode steps through all of them; both answers are the plain model's. Two threads
-    drive the model here (the scoring worker and the generation worker): any state one of them leaves on the
-    shared model shows up in the other's numbers."""
-    model = tiny_loaded.model
-    layers = model.base_model.layers
+    """Two threads drive the one model: the scoring worker and the generation worker. A /score pass (two prompts
+    packed in one row) is held halfway through the layers while a streamed completion prefills and reaches its
+    first decode step, which is held halfway too; the scoring pass then finishes while the decode step is inside
+    the model, and the stream after it. Any state one thread leaves on the shared model while it is inside shows
+    up in the other's numbers; both must be the plain model's."""
+    layers = tiny_loaded.model.base_model.layers
     middle = layers[len(layers) // 2]
-    held = threading.Event()
-    go_on = threading.Event()
-    go_on.set()
-    decode_steps_while_held = []
+    score_held, go_score = threading.Event(), threading.Event()
+    decode_held, go_decode = threading.Event(), threading.Event()
+    go_score.set()
+    go_decode.set()
 
-    def hold_scoring(module, args, kwargs):
-        if threading.current_thread().name.startswith("genscore-forward") and not go_on.is_set():
-            held.set()
-            if not go_on.wait(60):
-                raise AssertionError("the test never let the scoring pass go on")
-        elif held.is_set() and not go_on.is_set():
-            decode_steps_while_held.append(threading.current_thread().name)
+    def hold(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
+        thread = threading.current_thread().name
+        if thread.startswith("genscore-forward") and not go_score.is_set():
+            score_held.set()
+            go_score.wait(60)
+        elif thread.startswith("genscore-generate") and hidden.shape[1] == 1 and not go_decode.is_set():
+            decode_held.set()
+            go_decode.wait(60)
 
-    handle = middle.register_forward_pre_hook(hold_scoring, with_kwargs=True)
-    score_ids = [5, 6, 7, 8, 9, 10, 11, 12]
-    items = [[30, 31], [40, 41, 42]]
+    handle = middle.register_forward_pre_hook(hold, with_kwargs=True)
+    score_ids, items = [5, 6, 7, 8, 9, 10, 11, 12], [[30, 31], [40, 41, 42]]
     prompt_ids = [20, 21, 22]
     try:
         with serving(tiny_loaded, share_prefixes=False) as (base_url, app):  # the two prompts are packed
-            generator = app.state.lifecycle.generator
-            gate = StepGate(generator)
+
+            async def read_stream(client: httpx.AsyncClient) -> list[str]:
+                async with client.stream("POST", "/v1/completions", json={
+                        "prompt": prompt_ids, "max_tokens": 6, "temperature": 0, "logprobs": 0,
+                        "stream": True}) as stream:
+                    return [line async for line in stream.aiter_lines() if line]
 
             async def scenario():
                 async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-                    go_on.clear()
+                    go_score.clear()
                     score = asyncio.create_task(client.post("/score", json={
                         "query": score_ids, "items": items, "label_token_ids": [0, 5, 100], "top_logprobs": 3}))
-                    await async_wait_until(held.is_set, what="the scoring pass to reach the middle layer")
-                    steps_before = len(gate.steps)
-                    lines = []
-                    async with client.stream("POST", "/v1/completions", json={
-                            "prompt": prompt_ids, "max_tokens": 6, "temperature": 0, "logprobs": 0,
-                            "stream": True}) as stream:
-                        async for line in stream.aiter_lines():
-                            if line:
-                                lines.append(line)
-                    steps_while_held = len(gate.steps) - steps_before
-                    go_on.set()
-                    return await score, lines, steps_while_held
+                    await async_wait_until(score_held.is_set, what="the scoring pass to reach the middle layer")
+                    go_decode.clear()
+                    stream = asyncio.create_task(read_stream(client))
+                    await async_wait_until(decode_held.is_set, what="a decode step to reach the middle layer")
+                    go_score.set()  # the scoring pass runs its other layers while the decode step is inside
+                    scored = await score
+                    assert not stream.done()
+                    go_decode.set()
+                    return scored, await stream
 
-            score, lines, steps_while_held = asyncio.run(scenario())
-            gate.remove()
+            score, lines = asyncio.run(scenario())
     finally:
-        go_on.set()
+        go_score.set()
+        go_decode.set()
         handle.remove()
     greedy = greedy_reference(plain_tiny, prompt_ids, 6, tiny_loaded.pad_token_id)
     eos = tiny_loaded.tokenizer.eos_token_id
     if eos in greedy:  # the server stops at the end-of-sequence token too
         greedy = greedy[:greedy.index(eos) + 1]
-    # the whole stream, every step of it, ran while the scoring pass waited halfway through the layers
-    assert steps_while_held == max(1, len(greedy) - 1) and decode_steps_while_held, steps_while_held
     assert lines[-1] == "data: [DONE]"
     tokens = [t for line in lines[:-1] for t in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]]
     assert tokens == [tiny_loaded.tokenizer.decode([t]) for t in greedy]
