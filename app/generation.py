@@ -217,25 +217,33 @@ class Generator(ConsumerLoop):
                 self._waiting.remove(group)
 
     # --- the loop (event loop side) --------------------------------------------------------------------------------
+    def _final_length(self, group: _Group) -> int:
+        """The longest a row of this prompt can grow: prompt + max_tokens, within the model's length."""
+        return min(len(group.prompt_ids) + group.params.max_tokens, self.loaded.max_length)
+
     def _admit(self) -> list[_Group]:
         """Waiting prompts that fit: decode rows under max_batch_size, prefill under max_batch_tokens, cache under
-        max_cache_tokens. With nothing running, the first waiting prompt is always taken, however big."""
+        max_cache_tokens. With nothing running, the first waiting prompt is always taken, however big.
+
+        The cache is rows x the batch's width, and the width grows by one every step, so a prompt is admitted only
+        if every row could reach its final length within max_cache_tokens: the budget holds at every step, not
+        only at admission."""
         self._waiting = [g for g in self._waiting if not g.cancelled]
         admitted: list[_Group] = []
         rows = len(self._rows)
-        width = self._batch.width if self._batch is not None else 0
+        final = max((self._final_length(c.group) for c in self._rows), default=0)
         longest = 0
         for group in list(self._waiting):
             new_longest = max(longest, len(group.prompt_ids))
             new_rows = rows + group.params.n
-            cache_tokens = new_rows * (max(width, new_longest) + 1)
+            new_final = max(final, self._final_length(group))
             fits = (new_rows <= self.max_batch_size and new_longest * (len(admitted) + 1) <= self.max_batch_tokens
-                    and cache_tokens <= self.max_cache_tokens)
+                    and new_rows * new_final <= self.max_cache_tokens)
             if not fits and (admitted or self._rows):
                 break  # first come, first served: nobody overtakes the head of the queue
             admitted.append(group)
             self._waiting.remove(group)
-            rows, longest = new_rows, new_longest
+            rows, longest, final = new_rows, new_longest, new_final
         return admitted
 
     async def _loop(self) -> None:

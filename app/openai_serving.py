@@ -58,6 +58,12 @@ class OpenAIServing:
         self.settings = engine.settings
         self.tokens = engine.token_strings
 
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the engine's tokenizing thread, the one /score tokenizes on: a long text never stalls the
+        event loop (probes, other callers), and a fast tokenizer shared by threads can fail with "Already
+        borrowed", so every route tokenizes on that one thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.engine._tokenize_executor, fn, *args)
+
     # --- shared validation ---------------------------------------------------------------------------------------
     def _sampling(self, request: GenerationFields) -> SamplingParams:
         bias = self.engine.logit_bias_pairs(request.logit_bias)
@@ -155,7 +161,7 @@ class OpenAIServing:
                     echo_texts if request.echo else None)
 
     async def completion(self, request: CompletionRequest):
-        work = self.completion_work(request)
+        work = await self.off_loop(self.completion_work, request)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._completion_chunks(work, response_id, created))
@@ -297,7 +303,7 @@ class OpenAIServing:
                     bool(request.stream_options and request.stream_options.include_usage))
 
     async def chat(self, request: ChatCompletionRequest):
-        work = self.chat_work(request)
+        work = await self.off_loop(self.chat_work, request)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._chat_chunks(work, response_id, created))

@@ -43,6 +43,21 @@ def tiny_loaded(tiny_model_dirs):
 
 
 @pytest.fixture(scope="session")
+def plain_models(tiny_model_dirs) -> dict:
+    """The reference for every "matches transformers" test on a tiny model: each tiny model exactly as
+    transformers loads it (tests/reference.py plain_model), never the object genscore serves."""
+    from tests.reference import plain_model
+
+    return {arch: plain_model(folder) for arch, folder in tiny_model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def plain_tiny(plain_models):
+    """The plain reference of `tiny_loaded` (the tiny Llama)."""
+    return plain_models["llama"]
+
+
+@pytest.fixture(scope="session")
 def default_model_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("genscore-cache")
 

@@ -29,6 +29,10 @@ _LOCAL_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "i
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    serving: OpenAIServing = Depends(ready_openai)):
     serving.engine.check_model(request.model)
+    return FastJSONResponse(await serving.off_loop(_tokenized, serving, request))
+
+
+def _tokenized(serving: OpenAIServing, request: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
     tokenizer = serving.loaded.tokenizer
     if isinstance(request, TokenizeChatRequest):
         if request.continue_final_message and request.add_generation_prompt:
@@ -38,12 +42,12 @@ async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
     else:
         text = request.prompt
     ids = tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
-    return FastJSONResponse({
+    return {
         "count": len(ids),
         "max_model_len": serving.loaded.max_length,
         "tokens": ids,
         "token_strs": tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None,
-    })
+    }
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS, response_class=FastJSONResponse)

@@ -24,12 +24,9 @@ def client(tiny_loaded):
 
 
 @pytest.fixture(scope="session")
-def full_logits(tiny_loaded):
-    """Reference: plain transformers forward of one unpadded sequence, float32 last-position logits [V]."""
-    import torch
+def full_logits(plain_tiny):
+    """Reference: the plain transformers model (not the served one), one unpadded sequence, float32
+    last-position logits [V]."""
+    from tests.reference import last_logits
 
-    def compute(ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return tiny_loaded.model(torch.tensor([ids])).logits[0, -1].float()
-
-    return compute
+    return lambda ids: last_logits(plain_tiny, ids)

@@ -12,6 +12,7 @@ import pytest
 from app.main import create_app
 from tests.api.conftest import tiny_settings
 from tests.conftest import live_server
+from tests.gates import BatchGate, async_wait_until
 
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
@@ -39,18 +40,12 @@ def make_requests(n: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(tiny_loaded):
-    app = create_app(tiny_settings(max_batch_size=16, max_wait_ms=30), loaded=tiny_loaded)
-    engine_batches: list[int] = []
+    # 40 units fit one batch (max_batch_size and the padded-token budget), so a burst held behind a gate runs as one
+    app = create_app(tiny_settings(max_batch_size=64, max_batch_tokens=64 * 64), loaded=tiny_loaded)
     with live_server(app) as base_url:
-        engine = app.state.lifecycle.engine
-        original = engine.run_batch
-
-        def recording(works):
-            engine_batches.append(len(works))
-            return original(works)
-
-        engine.batcher._handler = recording
-        yield base_url, engine_batches
+        gate = BatchGate(app.state.lifecycle.engine.batcher)
+        yield base_url, app, gate
+        gate.remove()
 
 
 def values(response: dict) -> list:
@@ -68,20 +63,28 @@ def close(a, b, tol=1e-4) -> bool:
 
 
 def test_concurrent_requests_batch_together_and_match_alone(server):
-    base_url, batches = server
+    base_url, app, gate = server
+    batcher = app.state.lifecycle.engine.batcher
     requests = make_requests(24)
     with httpx.Client(base_url=base_url, timeout=30) as client:
         alone = [client.post("/score", json=body).json() for body in requests]
-    batches.clear()
+    units = sum(len(b.get("items") or [None]) for b in requests)
+    blocker = {"query": "hold the worker", "label_token_ids": [1]}
 
     async def burst():
-        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-            return await asyncio.gather(*(client.post("/score", json=body) for body in requests))
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            gate.hold()
+            held = asyncio.create_task(client.post("/score", json=blocker))
+            await async_wait_until(gate.entered.is_set, what="the blocker's batch to reach the gate")
+            gate.sizes.clear()
+            tasks = [asyncio.create_task(client.post("/score", json=body)) for body in requests]
+            await async_wait_until(lambda: batcher.waiting == units, what="the whole burst to be queued")
+            gate.release()
+            await held
+            return await asyncio.gather(*tasks)
 
     together = [r.json() for r in asyncio.run(burst())]
-    units = sum(len(b.get("items") or [None]) for b in requests)
-    assert sum(batches) == units
-    assert max(batches) > 1, f"no batching happened: {batches}"
+    assert gate.sizes == [1, units], f"the burst did not run as one batch: {gate.sizes}"
     for body, a, t in zip(requests, alone, together):
         assert t["logprobs_mode"] == body["logprobs_mode"]
         for va, vt in zip(values(a), values(t)):
@@ -91,7 +94,7 @@ def test_concurrent_requests_batch_together_and_match_alone(server):
 
 
 def test_a_bad_request_in_a_burst_does_not_touch_the_others(server):
-    base_url, _ = server
+    base_url, _, _ = server
     good = make_requests(6, seed=1)
     bad = {"query": "x", "label_token_ids": [10**6]}
 

@@ -20,7 +20,7 @@ def tokens(loaded, text, special=True):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_candidates_equal_brute_force(client, tiny_loaded, mode):
+def test_candidates_equal_brute_force(client, tiny_loaded, plain_tiny, mode):
     out = client.post("/score", json={"query": QUERY, "items": ITEMS, "candidates": CANDIDATES,
                                       "logprobs_mode": mode, **PROCESSORS})
     assert out.status_code == 200, out.text
@@ -35,7 +35,7 @@ def test_candidates_equal_brute_force(client, tiny_loaded, mode):
         prompt = q + tokens(tiny_loaded, item, False)
         assert entry["candidate_num_tokens"] == [len(c) for c in cand_ids]
         for ids, per_token, total in zip(cand_ids, entry["candidate_token_logprobs"], entry["candidate_logprobs"]):
-            expected = candidate_reference(tiny_loaded.model, prompt, ids, mode, PROCESSORS)
+            expected = candidate_reference(plain_tiny, prompt, ids, mode, PROCESSORS)
             assert per_token == pytest.approx(as_json(expected), abs=TOL)
             assert total == pytest.approx(as_json([math.fsum(expected)])[0], abs=TOL)
             finite += all(v != -9999.0 for v in per_token)
@@ -49,13 +49,13 @@ def test_candidates_equal_brute_force(client, tiny_loaded, mode):
     assert body["usage"]["prompt_tokens"] == prompt_tokens
 
 
-def test_token_id_candidates_and_query_alone(client, tiny_loaded):
+def test_token_id_candidates_and_query_alone(client, tiny_loaded, plain_tiny):
     q = tokens(tiny_loaded, QUERY)
     cand_ids = [tokens(tiny_loaded, c, False) for c in CANDIDATES] + [[5], [5, 5, 5]]
     out = client.post("/score", json={"query": q, "candidates": cand_ids}).json()
     (entry,) = out["data"]
     for ids, per_token in zip(cand_ids, entry["candidate_token_logprobs"]):
-        assert per_token == pytest.approx(candidate_reference(tiny_loaded.model, q, ids, "raw_logprobs", {}), abs=TOL)
+        assert per_token == pytest.approx(candidate_reference(plain_tiny, q, ids, "raw_logprobs", {}), abs=TOL)
     by_text = client.post("/score", json={"query": QUERY, "candidates": CANDIDATES}).json()["data"][0]
     assert by_text["candidate_token_logprobs"] == entry["candidate_token_logprobs"][: len(CANDIDATES)]
 

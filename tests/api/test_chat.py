@@ -52,7 +52,7 @@ def test_response_shape_field_by_field(client, tiny_loaded):
                             "total_tokens": prompt_tokens + len(content)}
 
 
-def test_chat_is_the_template_then_greedy_generation(client, tiny_loaded):
+def test_chat_is_the_template_then_greedy_generation(client, tiny_loaded, plain_tiny):
     """Chat = completions on the rendered template, token for token, with the same logprobs."""
     ids = rendered_ids(tiny_loaded)
     by_chat = chat(client, max_tokens=8, temperature=0, logprobs=True)["choices"][0]
@@ -61,7 +61,7 @@ def test_chat_is_the_template_then_greedy_generation(client, tiny_loaded):
     assert by_chat["message"]["content"] == by_completion["text"]
     assert [e["logprob"] for e in by_chat["logprobs"]["content"]] == by_completion["logprobs"]["token_logprobs"]
     with torch.inference_mode():
-        first = torch.log_softmax(tiny_loaded.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        first = torch.log_softmax(plain_tiny(torch.tensor([ids])).logits[0, -1].float(), -1)
     assert by_chat["logprobs"]["content"][0]["logprob"] == pytest.approx(first.max().item(), abs=1e-5)
 
 

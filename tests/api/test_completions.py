@@ -17,6 +17,8 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from tests.api.conftest import TINY_NAME, tiny_settings
 from tests.conftest import live_server, wait_ready
+from tests.gates import Step, StepGate, async_wait_until, wait_until
+from tests.reference import greedy_reference
 
 PROMPT = "The quick brown fox"
 NEG_INF = -9999.0
@@ -32,11 +34,6 @@ def complete(client, **body):
     return response.json()
 
 
-def greedy_reference(loaded, ids, max_new_tokens):
-    """transformers' own greedy decoding of one unpadded prompt."""
-    out = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                                pad_token_id=loaded.pad_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def sse_events(text: str) -> list:
@@ -77,7 +74,7 @@ def test_no_logprobs_means_null(client):
     assert choice["logprobs"] is None
 
 
-def test_echo_logprobs_match_plain_forward(client, tiny_loaded):
+def test_echo_logprobs_match_plain_forward(client, tiny_loaded, plain_tiny):
     ids = ids_of(tiny_loaded, PROMPT)
     out = complete(client, prompt=PROMPT, max_tokens=0, logprobs=3, echo=True)
     choice = out["choices"][0]
@@ -86,7 +83,7 @@ def test_echo_logprobs_match_plain_forward(client, tiny_loaded):
     assert lp["tokens"] == [tiny_loaded.tokenizer.decode([i]) for i in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     with torch.inference_mode():
-        reference = torch.log_softmax(tiny_loaded.model(torch.tensor([ids])).logits[0].float(), -1)  # [T, V]
+        reference = torch.log_softmax(plain_tiny(torch.tensor([ids])).logits[0].float(), -1)  # [T, V]
     expected = [reference[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
     decode = tiny_loaded.tokenizer.decode
@@ -98,7 +95,7 @@ def test_echo_logprobs_match_plain_forward(client, tiny_loaded):
     assert out["usage"]["completion_tokens"] == 0
 
 
-def test_lm_eval_loglikelihood_request(client, tiny_loaded):
+def test_lm_eval_loglikelihood_request(client, tiny_loaded, plain_tiny):
     """lm-eval's exact request: every prompt token's logprob plus exactly one generated token."""
     ids = ids_of(tiny_loaded, PROMPT + " jumps over")
     out = complete(client, prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0, seed=1234)
@@ -106,7 +103,7 @@ def test_lm_eval_loglikelihood_request(client, tiny_loaded):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None
     with torch.inference_mode():
-        logits = tiny_loaded.model(torch.tensor([ids])).logits[0].float()
+        logits = plain_tiny(torch.tensor([ids])).logits[0].float()
     greedy = int(logits[-1].argmax())
     assert lp["tokens"][-1] == tiny_loaded.tokenizer.decode([greedy])
     assert lp["token_logprobs"][-1] == pytest.approx(torch.log_softmax(logits[-1], -1)[greedy].item(), abs=1e-5)
@@ -127,23 +124,23 @@ def test_token_id_prompts_equal_text_prompts(client, tiny_loaded):
 
 # --- generation -----------------------------------------------------------------------------------------------------
 
-def reference_logprobs(loaded, ids, continuation):
+def reference_logprobs(plain, ids, continuation):
     """Plain forward of prompt + continuation: the logprob of each continuation token, float32 [len(continuation)]."""
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor([ids + continuation])).logits[0].float()
+        logits = plain(torch.tensor([ids + continuation])).logits[0].float()
     logprobs = torch.log_softmax(logits, -1)
     return [logprobs[len(ids) - 1 + j, token].item() for j, token in enumerate(continuation)]
 
 
-def assert_same_tokens(loaded, ids, choice, expected_ids):
+def assert_same_tokens(loaded, plain, ids, choice, expected_ids):
     """The choice generated exactly expected_ids: same token strings and the same logprobs (which tell ids apart)."""
     lp = choice["logprobs"]
     assert lp["tokens"] == [loaded.tokenizer.decode([t]) for t in expected_ids]
-    assert lp["token_logprobs"] == pytest.approx(reference_logprobs(loaded, ids, expected_ids), abs=1e-5)
+    assert lp["token_logprobs"] == pytest.approx(reference_logprobs(plain, ids, expected_ids), abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_greedy_equals_transformers_generate(arch, tiny_model_dirs):
+def test_greedy_equals_transformers_generate(arch, tiny_model_dirs, plain_models):
     from models import load_model
 
     loaded = load_model(str(tiny_model_dirs[arch]), device="cpu", dtype="float32")
@@ -154,10 +151,10 @@ def test_greedy_equals_transformers_generate(arch, tiny_model_dirs):
         out = complete(client, prompt=prompts, max_tokens=12, temperature=0, logprobs=0)
     for prompt, choice in zip(prompts, out["choices"]):
         ids = ids_of(loaded, prompt)
-        reference = greedy_reference(loaded, ids, 12)
+        reference = greedy_reference(plain_models[arch], ids, 12, loaded.pad_token_id)
         if loaded.tokenizer.eos_token_id in reference:  # both stop at the end-of-sequence token
             reference = reference[:reference.index(loaded.tokenizer.eos_token_id) + 1]
-        assert_same_tokens(loaded, ids, choice, reference)
+        assert_same_tokens(loaded, plain_models[arch], ids, choice, reference)
 
 
 def test_sampling_with_a_seed_is_reproducible(client):
@@ -171,47 +168,59 @@ def test_sampling_with_a_seed_is_reproducible(client):
     assert [c["text"] for c in other_seed["choices"]] != texts
 
 
-def test_seeded_request_is_the_same_alongside_other_traffic(client):
+async def _join_a_running_batch(app, gate: StepGate, first: dict, others: list[dict]) -> list[httpx.Response]:
+    """POST `first`, hold the generation loop at its first step, queue `others` behind it, then let it go: the
+    others are admitted together while `first` is decoding."""
+    generator = app.state.lifecycle.generator
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as ac:
+        gate.hold()
+        head = asyncio.create_task(ac.post("/v1/completions", json=first))
+        await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
+        rest = [asyncio.create_task(ac.post("/v1/completions", json=b)) for b in others]
+        await async_wait_until(lambda: len(generator._waiting) == len(others), what="the others to queue")
+        gate.release()
+        return [await head] + list(await asyncio.gather(*rest))
+
+
+@pytest.fixture
+def step_gate(client):
+    gate = StepGate(client.app.state.lifecycle.generator)
+    yield gate
+    gate.remove()
+
+
+def test_seeded_request_is_the_same_alongside_other_traffic(client, step_gate):
     """The same seeded request alone and while other requests decode in the same batch."""
     body = dict(prompt="Paris is the capital of", max_tokens=10, temperature=0.9, top_k=20, seed=42)
     alone = complete(client, **body)["choices"][0]["text"]
-    noise = dict(prompt=["The quick", "0 1 2 3 4 5 6"], max_tokens=15, temperature=1.0)
-
-    async def together():
-        transport = httpx.ASGITransport(app=client.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
-            responses = await asyncio.gather(ac.post("/v1/completions", json=noise),
-                                             ac.post("/v1/completions", json=body),
-                                             ac.post("/v1/completions", json=noise))
-        return [r.json() for r in responses]
-
-    results = client.portal.call(together)
-    assert results[1]["choices"][0]["text"] == alone
+    noise = dict(prompt="0 1 2 3 4 5 6", n=2, max_tokens=15, temperature=1.0, seed=3)  # two rows of one prompt
+    step_gate.steps.clear()
+    results = client.portal.call(_join_a_running_batch, client.app, step_gate, noise, [body, noise])
+    assert [r.status_code for r in results] == [200] * 3
+    assert Step(admitted=2, running=2) in step_gate.steps, step_gate.steps  # joined the noise while it decoded
+    assert results[1].json()["choices"][0]["text"] == alone
 
 
-def test_concurrent_requests_share_decode_steps_and_match_solo_greedy(client):
+def test_concurrent_requests_share_decode_steps_and_match_solo_greedy(client, step_gate):
     """Requests of different lengths join and leave the running batch; each still gets its solo greedy output."""
     bodies = [dict(prompt=p, max_tokens=m, temperature=0, logprobs=0)
               for p, m in [(PROMPT, 14), ("Paris is", 3), ("0 1 2 3 4 5 6 7 8 9 A B C D true", 9), ("Is", 6)]]
     solo = [complete(client, **b)["choices"][0] for b in bodies]
     generator = client.app.state.lifecycle.generator
-    steps_before = generator.steps
-
-    async def together():
-        transport = httpx.ASGITransport(app=client.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
-            async def staggered(i, body):
-                await asyncio.sleep(0.01 * i)  # later ones join a batch that is already decoding
-                return (await ac.post("/v1/completions", json=body)).json()
-            return await asyncio.gather(*(staggered(i, b) for i, b in enumerate(bodies)))
-
-    results = client.portal.call(together)
+    step_gate.steps.clear()
+    results = [r.json() for r in client.portal.call(_join_a_running_batch, client.app, step_gate, bodies[0],
+                                                    bodies[1:])]
     for alone, shared in zip(solo, results):
         assert shared["choices"][0]["text"] == alone["text"]
         assert shared["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
             alone["logprobs"]["token_logprobs"], abs=1e-5)
+    # the three joined the first while it was decoding, all four decoded together, and they left one by one
+    assert step_gate.steps[:3] == [Step(1, 0), Step(3, 1), Step(0, 4)], step_gate.steps
     total_tokens = sum(len(c["logprobs"]["tokens"]) for c in solo)
-    assert generator.steps - steps_before < total_tokens  # decode steps were shared
+    # a step prefills its newcomers (their first token) and decodes every row: the longest, the first, needs n - 1
+    assert len(step_gate.steps) == len(solo[0]["logprobs"]["tokens"]) - 1
+    assert len(step_gate.steps) < total_tokens
     assert generator.running == 0
 
 
@@ -239,16 +248,16 @@ def test_logit_bias_steers_greedy(client, tiny_loaded):
     assert choice["logprobs"]["tokens"] == [tiny_loaded.tokenizer.decode([target])] * 3
 
 
-def test_frequency_and_presence_penalties_follow_openai(client, tiny_loaded):
+def test_frequency_and_presence_penalties_follow_openai(client, tiny_loaded, plain_tiny):
     """processed_logits after one generated token t: logit[t] - frequency x 1 - presence."""
     ids = ids_of(tiny_loaded, PROMPT)
     out = complete(client, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=0, logprobs_mode="processed_logits",
                    frequency_penalty=1.5, presence_penalty=0.5, logprob_token_ids=list(range(5)))
     lp = out["choices"][0]["logprobs"]
     with torch.inference_mode():
-        first_logits = tiny_loaded.model(torch.tensor([ids])).logits[0, -1].float()
+        first_logits = plain_tiny(torch.tensor([ids])).logits[0, -1].float()
         first = int(first_logits.argmax())
-        second_logits = tiny_loaded.model(torch.tensor([ids + [first]])).logits[0, -1].float()
+        second_logits = plain_tiny(torch.tensor([ids + [first]])).logits[0, -1].float()
     penalized = second_logits.clone()
     penalized[first] -= 1.5 + 0.5
     assert lp["token_logprobs"][0] == pytest.approx(first_logits[first].item(), abs=1e-4)
@@ -256,10 +265,10 @@ def test_frequency_and_presence_penalties_follow_openai(client, tiny_loaded):
     assert list(lp["token_id_logprobs"][1].values()) == pytest.approx(penalized[:5].tolist(), abs=1e-4)
 
 
-def test_logprobs_modes_and_logprob_token_ids_read_one_snapshot(client, tiny_loaded):
+def test_logprobs_modes_and_logprob_token_ids_read_one_snapshot(client, tiny_loaded, plain_tiny):
     ids = ids_of(tiny_loaded, PROMPT)
     with torch.inference_mode():
-        logits = tiny_loaded.model(torch.tensor([ids])).logits[0, -1].float()
+        logits = plain_tiny(torch.tensor([ids])).logits[0, -1].float()
     wanted = torch.topk(logits, 6).indices.tolist()
     common = dict(prompt=PROMPT, max_tokens=1, temperature=0, logprobs=4, logprob_token_ids=wanted)
     raw = complete(client, **common, logprobs_mode="raw_logprobs")["choices"][0]["logprobs"]
@@ -334,11 +343,7 @@ def test_stream_disconnect_frees_the_batch(client):
 
     assert client.portal.call(read_two_chunks) == 2
     generator = client.app.state.lifecycle.generator
-    for _ in range(200):
-        if generator.running == 0:
-            break
-        client.portal.call(asyncio.sleep, 0.02)
-    assert generator.running == 0
+    wait_until(lambda: generator.running == 0, what="the disconnected stream's row to be dropped")
     assert complete(client, prompt=PROMPT, max_tokens=2)["choices"]  # still serving
 
 

@@ -13,8 +13,9 @@ from tests.reference import mode_values, position_logits
 TOL = 1e-4
 
 
-def logprobs(loaded, ids: list[int]):
-    return mode_values(position_logits(loaded.model, ids)[-1], "raw_logprobs", {})
+def logprobs(plain, ids: list[int]):
+    """raw logprobs [V] after ids, from the plain transformers model."""
+    return mode_values(position_logits(plain, ids)[-1], "raw_logprobs", {})
 
 
 # --- SGLang: POST /v1/score --------------------------------------------------------------
@@ -33,7 +34,7 @@ def test_sglang_envelope(client):
     assert body["usage"]["completion_tokens"] == 0
 
 
-def test_sglang_text_prompts_are_joined_then_tokenized_and_softmax_is_off_by_default(client, tiny_loaded):
+def test_sglang_text_prompts_are_joined_then_tokenized_and_softmax_is_off_by_default(client, tiny_loaded, plain_tiny):
     """SGLang builds f"{query}{item}" (f"{item}{query}" with item_first) and tokenizes it with special tokens."""
     query, items, labels = "The capital of France is", [" Paris", " Berlin", "Rome"], [5, 17, 100]
     for item_first in (False, True):
@@ -41,7 +42,7 @@ def test_sglang_text_prompts_are_joined_then_tokenized_and_softmax_is_off_by_def
                                               "item_first": item_first}).json()
         for item, row in zip(items, body["scores"]):
             text = item + query if item_first else query + item
-            expected = logprobs(tiny_loaded, tiny_loaded.tokenizer(text)["input_ids"])[labels].exp()
+            expected = logprobs(plain_tiny, tiny_loaded.tokenizer(text)["input_ids"])[labels].exp()
             assert row == pytest.approx(expected.tolist(), abs=TOL)
             assert abs(sum(row) - 1.0) > 1e-3  # model probabilities over a subset do not sum to 1
 
@@ -53,14 +54,14 @@ def test_sglang_apply_softmax_normalizes_each_item(client):
         assert sum(row) == pytest.approx(1.0, abs=1e-6) and all(v >= 0 for v in row)
 
 
-def test_sglang_token_ids_are_concatenated(client, tiny_loaded):
+def test_sglang_token_ids_are_concatenated(client, plain_tiny):
     query, items, labels = [1, 40, 50, 60], [[70, 80], [90]], [5, 6]
     for item_first in (False, True):
         body = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels,
                                               "item_first": item_first}).json()
         for item, row in zip(items, body["scores"]):
             ids = item + query if item_first else query + item
-            assert row == pytest.approx(logprobs(tiny_loaded, ids)[labels].exp().tolist(), abs=TOL)
+            assert row == pytest.approx(logprobs(plain_tiny, ids)[labels].exp().tolist(), abs=TOL)
         assert body["usage"]["prompt_tokens"] == sum(len(query) + len(i) for i in items)
 
 
@@ -89,7 +90,7 @@ def test_sglang_rejections(client, body, status, param):
 # --- vLLM: POST /generative_scoring ------------------------------------------------------
 
 
-def test_vllm_documented_example(client, tiny_loaded):
+def test_vllm_documented_example(client, tiny_loaded, plain_tiny):
     """vLLM's docs example: the score is P(label 0) / (P(label 0) + P(label 1)), softmax on by default."""
     query, items, labels = "Is this city the capital of France?", ["Paris", "London", "Berlin"], [9, 27]
     r = client.post("/generative_scoring", json={"model": TINY_NAME, "query": query, "items": items,
@@ -103,7 +104,7 @@ def test_vllm_documented_example(client, tiny_loaded):
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
     q = tiny_loaded.tokenizer(query)["input_ids"]
     for item, entry in zip(items, body["data"]):
-        p = logprobs(tiny_loaded, q + tiny_loaded.tokenizer(item, add_special_tokens=False)["input_ids"])[labels].exp()
+        p = logprobs(plain_tiny, q + tiny_loaded.tokenizer(item, add_special_tokens=False)["input_ids"])[labels].exp()
         assert entry["score"] == pytest.approx((p[0] / (p[0] + p[1])).item(), abs=TOL)
     usage = body["usage"]
     assert set(usage) == {"prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"}
@@ -111,13 +112,13 @@ def test_vllm_documented_example(client, tiny_loaded):
         len(q) + len(tiny_loaded.tokenizer(i, add_special_tokens=False)["input_ids"]) for i in items)
 
 
-def test_vllm_without_softmax_the_score_is_the_model_probability(client, tiny_loaded):
+def test_vllm_without_softmax_the_score_is_the_model_probability(client, plain_tiny):
     query = [1, 40, 50]
     body = client.post("/generative_scoring", json={"query": query, "items": [[60], [70, 80]],
                                                     "label_token_ids": [5, 6], "apply_softmax": False,
                                                     "item_first": True, "add_special_tokens": False}).json()
     for item, entry in zip([[60], [70, 80]], body["data"]):
-        assert entry["score"] == pytest.approx(math.exp(logprobs(tiny_loaded, item + query)[5].item()), abs=TOL)
+        assert entry["score"] == pytest.approx(math.exp(logprobs(plain_tiny, item + query)[5].item()), abs=TOL)
 
 
 def test_vllm_request_ids(client):

@@ -136,7 +136,7 @@ def test_prompt_longer_than_the_model_is_rejected_unless_truncated(client, tiny_
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
-def test_other_architectures_score_like_their_plain_forward(arch, tiny_model_dirs):
+def test_other_architectures_score_like_their_plain_forward(arch, tiny_model_dirs, plain_models):
     from fastapi.testclient import TestClient
 
     from app.main import create_app
@@ -152,7 +152,7 @@ def test_other_architectures_score_like_their_plain_forward(arch, tiny_model_dir
     q = tokens(loaded, PROMPT)
     for item, entry in zip(items, out["data"]):
         with torch.inference_mode():
-            logits = loaded.model(torch.tensor([q + tokens(loaded, item, False)])).logits[0, -1].float()
+            logits = plain_models[arch](torch.tensor([q + tokens(loaded, item, False)])).logits[0, -1].float()
         assert entry["label_logprobs"] == pytest.approx(torch.log_softmax(logits, -1)[[1, 50]].tolist(), abs=1e-5)
 
 

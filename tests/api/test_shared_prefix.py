@@ -24,18 +24,19 @@ def tokens(loaded, text, special=True):
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
-def arch_client(request, tiny_model_dirs, tiny_loaded):
+def arch_client(request, tiny_model_dirs, tiny_loaded, plain_models):
+    """(client, served model, plain reference model) for one architecture."""
     loaded = tiny_loaded if request.param == "llama" else load_model(str(tiny_model_dirs[request.param]), "cpu",
                                                                      "float32")
     with TestClient(create_app(tiny_settings(max_batch_size=3), loaded=loaded)) as client:
         wait_ready(client)
         assert client.app.state.lifecycle.engine.share_prefixes
-        yield client, loaded
+        yield client, loaded, plain_models[request.param]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_items_over_a_shared_prefix_equal_scoring_from_scratch(arch_client, mode):
-    client, loaded = arch_client
+    client, loaded, plain = arch_client
     body = {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "logprobs_mode": mode, "top_logprobs": 5,
             **PROCESSORS}
     out = client.post("/score", json=body)
@@ -43,14 +44,14 @@ def test_items_over_a_shared_prefix_equal_scoring_from_scratch(arch_client, mode
     data = out.json()["data"]
     q = tokens(loaded, QUERY)
     for item, entry in zip(ITEMS, data):
-        expected = mode_values(position_logits(loaded.model, q + tokens(loaded, item, False))[-1], mode, PROCESSORS)
+        expected = mode_values(position_logits(plain, q + tokens(loaded, item, False))[-1], mode, PROCESSORS)
         assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
         top = [t["logprob"] for t in entry["top_logprobs"]]
         assert top == pytest.approx(as_json(expected.topk(5).values), abs=TOL)
 
 
 def test_cached_tokens_count_the_shared_query(arch_client):
-    client, loaded = arch_client
+    client, loaded, plain = arch_client
     engine = client.app.state.lifecycle.engine
     engine.prefix_cache.clear()
     query = QUERY + " Once more."
@@ -60,7 +61,12 @@ def test_cached_tokens_count_the_shared_query(arch_client):
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": q * (len(ITEMS) - 1)}
     again = client.post("/score", json={"query": query, "items": ITEMS, "label_token_ids": LABELS}).json()
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": q * len(ITEMS)}
-    assert [d["label_logprobs"] for d in again["data"]] == [d["label_logprobs"] for d in out["data"]]
+    # computed and reused states alike give the numbers of each full sequence from scratch, on the plain model
+    ids = tokens(loaded, query)
+    for response in (out, again):
+        for item, entry in zip(ITEMS, response["data"]):
+            expected = mode_values(position_logits(plain, ids + tokens(loaded, item, False))[-1], "raw_logprobs", {})
+            assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
 
 
 def test_prefix_cache_and_sharing_off_give_the_same_numbers(tiny_loaded):
@@ -93,12 +99,13 @@ def test_prefix_cache_and_sharing_off_give_the_same_numbers(tiny_loaded):
     for out in (with_cache[0], with_cache[1], without_cache[0], without_cache[1], unshared[1]):
         for got, want in zip([d["label_logprobs"] for d in out["data"]], reference):
             assert got == pytest.approx(want, abs=TOL)
-    # the cache hands back the very states it stored: a hit reproduces the miss bit for bit
-    assert [d["label_logprobs"] for d in with_cache[0]["data"][4:]] == \
-        [d["label_logprobs"] for d in with_cache[1]["data"][4:]]
+    # the cache hands back the very states it stored: the first batch of the first request computed the query
+    # (the one miss), the same batch of the second request read it from the cache (a hit), bit for bit the same
+    assert [d["label_logprobs"] for d in with_cache[0]["data"][:4]] == \
+        [d["label_logprobs"] for d in with_cache[1]["data"][:4]]
 
 
-def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded):
+def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded, plain_tiny):
     """item_first puts the query last, so only a common start of the items is shared; truncation cuts the query."""
     items = [" The movie was", " The movie was not", " The"]
     for extra in ({"item_first": True}, {"truncate_prompt_tokens": 6}):
@@ -107,7 +114,7 @@ def test_item_first_and_truncation_share_what_is_common(client, tiny_loaded):
         for item, entry in zip(items, out["data"]):
             i = tokens(tiny_loaded, item, False)
             ids = i + q if extra.get("item_first") else (q + i)[-6:]
-            expected = mode_values(position_logits(tiny_loaded.model, ids)[-1], "raw_logprobs", {})
+            expected = mode_values(position_logits(plain_tiny, ids)[-1], "raw_logprobs", {})
             assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
 
 
@@ -132,3 +139,43 @@ def test_metrics_report_the_prefix_cache_and_cached_tokens(client, tiny_loaded):
         second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert after["genscore_prompt_tokens_cached_total"] - before["genscore_prompt_tokens_cached_total"] == cached
+
+
+def test_a_small_prefix_cache_evicts_and_still_gives_the_plain_numbers(tiny_loaded, plain_tiny):
+    """--prefix-cache-mb sized for one query's states, over real HTTP: a second query evicts the first, the first
+    computes again, and every answer is the plain model's, whatever the cache held."""
+    import httpx
+
+    from tests.conftest import live_server
+
+    first = tokens(tiny_loaded, QUERY)
+    queries = [first, first[:-1] + [first[-1] + 1]]  # the same length, so the same state size
+    items = [tokens(tiny_loaded, item, False) for item in ITEMS]
+    with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as sizing:
+        wait_ready(sizing)
+        body = {"query": queries[0], "items": items, "label_token_ids": LABELS}
+        assert sizing.post("/score", json=body).status_code == 200
+        state_bytes = sizing.app.state.lifecycle.engine.prefix_cache.stats.bytes
+    assert state_bytes > 0
+    app = create_app(tiny_settings(prefix_cache_mb=1.5 * state_bytes / 2**20), loaded=tiny_loaded)
+    with live_server(app) as base_url:
+        stats = app.state.lifecycle.engine.prefix_cache.stats
+        answers = []
+        for query in (queries[0], queries[1], queries[0], queries[0]):
+            response = httpx.post(f"{base_url}/score", timeout=30,
+                                  json={"query": query, "items": items, "label_token_ids": LABELS})
+            assert response.status_code == 200, response.text
+            answers.append((query, response.json()))
+            assert stats.bytes <= stats.capacity_bytes and stats.entries == 1
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    # A misses, B misses and evicts A, A misses and evicts B, A hits
+    assert (stats.misses, stats.hits, stats.evictions) == (3, 1, 2)
+    assert "genscore_prefix_cache_evictions_total 2.0" in metrics
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for _, a in answers]
+    q = len(first)
+    assert cached == [q * (len(ITEMS) - 1)] * 3 + [q * len(ITEMS)]
+    for query, answer in answers:
+        for item, entry in zip(items, answer["data"]):
+            ids = query + item
+            expected = mode_values(position_logits(plain_tiny, ids)[-1], "raw_logprobs", {})
+            assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)

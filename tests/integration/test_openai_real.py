@@ -14,6 +14,7 @@ import torch
 from app.main import create_app
 from app.settings import Settings
 from tests.conftest import live_server
+from tests.gates import Step, StepGate, async_wait_until
 
 TOL = 1e-4
 PROMPTS = [
@@ -67,14 +68,31 @@ def test_greedy_equals_generate_alone_and_batched(real_client, real_loaded, refe
                                                       "temperature": 0, "logprobs": 0}).json()
     _assert_generated(tokenizer, alone["choices"][0], references[0], eos_ids)
 
-    async def concurrently():  # separate requests that join one running batch
+    generator = real_client.app.state.lifecycle.generator
+    gate = StepGate(generator)
+
+    async def concurrently():
+        """Separate requests: the first starts decoding, the others join its running batch in one step."""
         transport = httpx.ASGITransport(app=real_client.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as client:
-            return await asyncio.gather(*(
-                client.post("/v1/completions", json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                     "logprobs": 0}) for p in PROMPTS))
+            def post(prompt):
+                return asyncio.create_task(client.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}))
+            gate.hold()
+            first = post(PROMPTS[0])
+            await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
+            rest = [post(p) for p in PROMPTS[1:]]
+            await async_wait_until(lambda: len(generator._waiting) == len(rest), what="the others to queue")
+            gate.release()
+            return [await first] + list(await asyncio.gather(*rest))
 
-    for response, reference in zip(real_client.portal.call(concurrently), references):
+    try:
+        responses = real_client.portal.call(concurrently)
+    finally:
+        gate.remove()
+    assert Step(admitted=len(PROMPTS) - 1, running=1) in gate.steps, gate.steps  # they joined a running batch
+    assert max(step.running for step in gate.steps) >= 3, gate.steps  # and decoded together (one may end at once)
+    for response, reference in zip(responses, references):
         assert response.status_code == 200
         _assert_generated(tokenizer, response.json()["choices"][0], reference, eos_ids)
 
@@ -120,7 +138,10 @@ def test_sdk_against_the_real_model(real_sdk, real_loaded, reference_model):
     out = real_sdk.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     reference = _generate_reference(reference_model, tokenizer(PROMPTS[0])["input_ids"], 8)
     assert out.choices[0].text == tokenizer.decode(reference, skip_special_tokens=True)
-    stream = real_sdk.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}], max_completion_tokens=8,
-        temperature=0, stream=True)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    messages = [{"role": "user", "content": "Say hello."}]
+    stream = real_sdk.chat.completions.create(model="smollm2-135m", messages=messages, max_completion_tokens=8,
+                                              temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    assert streamed == tokenizer.decode(_generate_reference(reference_model, ids, 8), skip_special_tokens=True)

@@ -74,6 +74,7 @@ def test_same_numbers_alone_and_in_a_mixed_batch(real_client, real_loaded):
     from app.main import create_app
     from app.settings import Settings
     from tests.conftest import live_server
+    from tests.gates import BatchGate, async_wait_until
 
     labels = label_ids(real_loaded.tokenizer)
     requests = []
@@ -85,13 +86,27 @@ def test_same_numbers_alone_and_in_a_mixed_batch(real_client, real_loaded):
             body["items"] = ITEMS[: 1 + i % 4]
         requests.append(body)
     alone = [real_client.post("/score", json=b).json() for b in requests]
-    app = create_app(Settings(model="smollm2-135m", device="cpu", dtype="float32", max_wait_ms=50), loaded=real_loaded)
+    units = sum(len(b.get("items") or [None]) for b in requests)
+    app = create_app(Settings(model="smollm2-135m", device="cpu", dtype="float32"), loaded=real_loaded)
     with live_server(app) as base_url:
+        batcher = app.state.lifecycle.engine.batcher
+        gate = BatchGate(batcher)
+
         async def burst():
-            async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-                return await asyncio.gather(*(client.post("/score", json=b) for b in requests))
+            # hold the worker on one request, queue the whole burst behind it, then let it go: one mixed batch
+            async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+                gate.hold()
+                held = asyncio.create_task(client.post("/score", json={"query": "Hold.", "label_token_ids": [0]}))
+                await async_wait_until(gate.entered.is_set, what="the first batch to reach the gate")
+                tasks = [asyncio.create_task(client.post("/score", json=b)) for b in requests]
+                await async_wait_until(lambda: batcher.waiting == units, what="the burst to be queued")
+                gate.release()
+                await held
+                return await asyncio.gather(*tasks)
 
         together = [r.json() for r in asyncio.run(burst())]
+        gate.remove()
+    assert gate.sizes == [1, units], f"the burst did not share one batch: {gate.sizes}"
     for a, t in zip(alone, together):
         for da, dt in zip(a["data"], t["data"]):
             assert dt["label_logprobs"] == pytest.approx(da["label_logprobs"], abs=TOL)
@@ -100,7 +115,7 @@ def test_same_numbers_alone_and_in_a_mixed_batch(real_client, real_loaded):
 def test_gguf_cache_gives_identical_weights(real_loaded, reference_model, default_model_cache):
     """A load from the safetensors cache holds exactly the GGUF's dequantized weights and computes the same logits."""
     from models import load_model
-    from models.forward import forward_logits
+    from tests.reference import last_logits
 
     real_loaded  # the session's first load wrote the cache
     assert any(default_model_cache.glob("gguf/*/config.json"))
@@ -109,7 +124,7 @@ def test_gguf_cache_gives_identical_weights(real_loaded, reference_model, defaul
     plain, reloaded = reference_model.state_dict(), cached.model.state_dict()
     assert plain.keys() == reloaded.keys()
     assert all(torch.equal(plain[name], reloaded[name]) for name in plain)
-    ids = [real_loaded.tokenizer(QUERY)["input_ids"]]
-    # Equal weights, but the dequantized tensors' memory layout differs, so kernels may sum in another order.
-    torch.testing.assert_close(forward_logits(cached.model, ids, cached.pad_token_id),
-                               forward_logits(reference_model, ids, real_loaded.pad_token_id), atol=1e-5, rtol=0)
+    ids = real_loaded.tokenizer(QUERY)["input_ids"]
+    # Both called the plain way, model(input_ids).logits. Equal weights, but the dequantized tensors' memory layout
+    # differs, so kernels may sum in another order.
+    torch.testing.assert_close(last_logits(cached.model, ids), last_logits(reference_model, ids), atol=1e-5, rtol=0)

@@ -70,3 +70,32 @@ def test_dropin_routes_match_float32_transformers(real_client, real_loaded, refe
                             [-1], "raw_logprobs", {})
         p_yes, p_no = apart[yes].exp().item(), apart[no].exp().item()
         assert entry["score"] == pytest.approx(p_yes / (p_yes + p_no), abs=TOL)
+
+
+def test_prompts_packed_across_the_pack_boundary_match_float32_transformers(real_client, real_loaded,
+                                                                          reference_model, monkeypatch):
+    """One batch of from-scratch prompts (item_first: nothing shared) holding over 1024 tokens, so the forward pass
+    packs them into several rows of up to 1024 tokens (models/forward.py), on the real model: each prompt's numbers
+    are still its own plain float32 pass."""
+    import models.forward
+
+    tokenizer = real_loaded.tokenizer
+    query = " Is the review above positive or negative? Answer:"
+    sentence = "the film was slow at first but the actors carried every scene with warmth and wit"
+    openers = "Honestly Frankly Overall Sadly Luckily Clearly Oddly Surely Truly Mostly Really Simply Finally".split()
+    # distinct first words: no start is common to all the prompts, so nothing is shared and every prompt packs
+    items = [f"{word}, " + " ".join([sentence] * (4 + i % 3)) for i, word in enumerate(openers)]
+    labels = [tokens(tokenizer, w, False)[0] for w in (" positive", " negative")]
+    packs: list[list[list[int]]] = []
+    plan = models.forward.plan_packs
+    monkeypatch.setattr(models.forward, "plan_packs", lambda lengths, *a: packs.append(plan(lengths, *a)) or packs[-1])
+    response = real_client.post("/score", json={"query": query, "items": items, "label_token_ids": labels,
+                                                "item_first": True, "add_special_tokens": False})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 1024
+    assert any(len(p) > 1 for p in packs), f"the prompts were not split over several packs: {packs}"
+    q = tokens(tokenizer, query, False)
+    for item, entry in zip(items, response.json()["data"]):
+        expected = mode_values(position_logits(reference_model, tokens(tokenizer, item, False) + q)[-1],
+                               "raw_logprobs", {})
+        assert entry["label_logprobs"] == pytest.approx(as_json(expected[labels]), abs=TOL)

@@ -1,8 +1,8 @@
 """Graceful shutdown: SIGTERM to a real `genscore serve` process with requests in flight; none is lost.
 
-The server runs a tiny random model on 127.0.0.1 with a long batching wait (max_wait_ms), so
-requests sent before SIGTERM are still queued in the batcher when the signal arrives: the
-drain must run their forward pass after the signal and answer them.
+The server runs a tiny random model on 127.0.0.1 with a gate in its forward pass (tests/ops/gated_serve.py): the
+test holds a forward pass (or a generation step) at the gate, lets more work queue behind it, sends SIGTERM, and only
+then opens the gate, so the signal lands with work running and waiting by construction, not by timing.
 """
 
 from __future__ import annotations
@@ -28,25 +28,31 @@ from app.main import create_app
 from app.server import DrainingServer
 from tests.api.conftest import tiny_settings
 from tests.conftest import free_port, wait_ready
+from tests.gates import wait_until
+from tests.reference import greedy_reference
 
 BODY = {"query": "Paris is the capital of", "items": [" France", " Germany"], "label_token_ids": [1, 2, 3],
         "top_logprobs": 2}
 
 
+GATED_SERVE = Path(__file__).with_name("gated_serve.py")
+
+
 class ServerProcess:
-    """`genscore serve` in a subprocess on 127.0.0.1, JSON logs to a file; always killed on exit."""
+    """`genscore serve` in a subprocess on 127.0.0.1, JSON logs to a file, a gate in its forward pass (see the module
+    docstring); always killed on exit."""
 
     def __init__(self, model_dir: Path, workdir: Path, *flags: str):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
-        script = Path(sys.executable).parent / "genscore"
-        command = [str(script)] if script.is_file() else [sys.executable, "-m", "app.cli"]
-        command += ["serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                    "--device", "cpu", "--dtype", "float32", "--cache-dir", str(workdir / "cache"),
-                    "--log-format", "json", "--torch-threads", "1", *flags]
+        self.gate = workdir / "gate"
+        self.gate.mkdir()
+        command = [sys.executable, str(GATED_SERVE), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
+                   "--cache-dir", str(workdir / "cache"), "--log-format", "json", "--torch-threads", "1", *flags]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GENSCORE_")}
-        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TEST_GATE_DIR=str(self.gate))
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -59,6 +65,16 @@ class ServerProcess:
             assert self.process.poll() is None, f"server exited early:\n{self.log_path.read_text()}"
             assert time.monotonic() < deadline, f"server not ready:\n{self.log_path.read_text()}"
             time.sleep(0.1)
+
+    def hold(self) -> None:
+        """From now on every forward pass waits at the gate until release()."""
+        (self.gate / "armed").touch()
+
+    def wait_held(self, timeout_s: float = 60.0) -> None:
+        wait_until(lambda: (self.gate / "entered").exists(), timeout_s, "a forward pass to reach the gate")
+
+    def release(self) -> None:
+        (self.gate / "open").touch()
 
     def in_progress(self) -> float:
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
@@ -108,49 +124,53 @@ def post_score(base_url: str, request_id: str) -> tuple[httpx.Response | Excepti
 
 def wait_for_in_progress(server: ServerProcess, count: int) -> None:
     """Until `count` requests (and this scrape) are being handled by the server."""
-    deadline = time.monotonic() + 60
-    while server.in_progress() < count + 1:
-        assert time.monotonic() < deadline, "the requests never reached the server"
-        time.sleep(0.02)
+    wait_until(lambda: server.in_progress() >= count + 1, 60, f"{count} requests to reach the server")
 
 
-def reference_logprobs(loaded) -> list[list[float]]:
+def assert_readiness_fails_then_the_socket_closes(server: ServerProcess) -> None:
+    """After SIGTERM, /ready answers 503 until the listening socket closes, then connections fail."""
+    ready_answers = []
+
+    def closed() -> bool:
+        try:
+            ready_answers.append(httpx.get(f"{server.base_url}/ready", timeout=5).status_code)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_until(closed, 30, "the server to stop accepting connections after SIGTERM")
+    assert all(status == 503 for status in ready_answers), ready_answers
+
+
+def reference_logprobs(tokenizer, plain) -> list[list[float]]:
     """Plain float32 transformers forward of each unpadded query + item: the label logprobs [item][label]."""
-    tokenizer = loaded.tokenizer
     query = tokenizer(BODY["query"])["input_ids"]
     rows = []
     for item in BODY["items"]:
         ids = query + tokenizer(item, add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
-            logprobs = torch.log_softmax(loaded.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)  # [V]
+            logprobs = torch.log_softmax(plain(torch.tensor([ids])).logits[0, -1].float(), dim=-1)  # [V]
         rows.append(logprobs[BODY["label_token_ids"]].tolist())
     return rows
 
 
-def test_sigterm_answers_every_request_in_flight(serve, tiny_loaded):
+def test_sigterm_answers_every_request_in_flight(serve, tiny_loaded, plain_tiny):
+    """One request's forward pass is running and five more wait in the batcher when SIGTERM arrives."""
     n_requests = 6
-    # Batches close after 3 s unless 64 sequences arrive: the requests below wait in the batcher.
-    server = serve("--max-wait-ms", "3000", "--max-batch-size", "64", "--drain-timeout-s", "60")
-    expected = reference_logprobs(tiny_loaded)  # the server loads the same tiny model folder
+    server = serve("--max-batch-size", "64", "--drain-timeout-s", "60")
+    expected = reference_logprobs(tiny_loaded.tokenizer, plain_tiny)  # the server loads the same tiny model folder
 
     with ThreadPoolExecutor(n_requests) as pool:
-        futures = [pool.submit(post_score, server.base_url, f"inflight-{i}") for i in range(n_requests)]
-        wait_for_in_progress(server, n_requests)
+        server.hold()
+        futures = [pool.submit(post_score, server.base_url, "inflight-0")]
+        server.wait_held()  # inflight-0's forward pass is running, held at the gate
+        futures += [pool.submit(post_score, server.base_url, f"inflight-{i}") for i in range(1, n_requests)]
+        wait_for_in_progress(server, n_requests)  # the other five are queued behind it
         sigterm_at = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-
-        # Readiness fails at once: /ready answers 503 until the listening socket closes, then connections fail.
-        ready_answers = []
-        for _ in range(50):
-            try:
-                ready_answers.append(httpx.get(f"{server.base_url}/ready", timeout=5).status_code)
-            except httpx.TransportError:
-                break
-            time.sleep(0.01)
-        else:
-            pytest.fail(f"the server kept accepting connections after SIGTERM: {ready_answers}")
-        assert all(status == 503 for status in ready_answers), ready_answers
-
+        assert_readiness_fails_then_the_socket_closes(server)
+        assert not any(f.done() for f in futures), "a request was answered while the model was held"
+        server.release()
         results = [future.result(timeout=120) for future in futures]
 
     exit_code = server.process.wait(timeout=60)
@@ -187,14 +207,15 @@ def test_sigterm_answers_every_request_in_flight(serve, tiny_loaded):
 
 def test_drain_timeout_bounds_the_shutdown(serve):
     """A request that cannot finish within --drain-timeout-s is cut off; the process still exits."""
-    # 120 s batching wait: the request cannot start before the 1 s drain timeout.
-    server = serve("--max-wait-ms", "120000", "--max-batch-size", "64", "--drain-timeout-s", "1")
+    server = serve("--max-batch-size", "64", "--drain-timeout-s", "1")
     with ThreadPoolExecutor(1) as pool:
+        server.hold()  # the request's forward pass cannot end before the 1 s drain timeout
         future = pool.submit(post_score, server.base_url, "too-slow")
-        wait_for_in_progress(server, 1)
+        server.wait_held()
         server.process.send_signal(signal.SIGTERM)
-        exit_code = server.process.wait(timeout=60)  # far less than the 120 s the request would need
-        answer, _ = future.result(timeout=60)
+        answer, _ = future.result(timeout=60)  # cut off while its forward pass is still held
+        server.release()  # the worker thread may end now, and with it the process
+        exit_code = server.process.wait(timeout=60)
     assert exit_code in (-signal.SIGTERM, 0), exit_code
     # uvicorn cancelled it at the drain timeout; the client is told to retry (503), not left with a bare 500.
     assert not isinstance(answer, Exception), answer
@@ -203,6 +224,39 @@ def test_drain_timeout_bounds_the_shutdown(serve):
     messages = [e["message"] for e in server.log_entries()]
     assert any("timeout graceful shutdown exceeded" in m for m in messages), messages
     assert not any("Exception in ASGI application" in m for m in messages), messages
+
+
+def test_sigterm_finishes_a_streaming_generation_in_flight(serve, tiny_loaded, plain_tiny):
+    """A streamed completion whose generation step is running when SIGTERM arrives gets every token and [DONE]."""
+    server = serve("--drain-timeout-s", "60")
+    prompt, max_tokens = "The quick brown fox", 12
+    ids = tiny_loaded.tokenizer(prompt)["input_ids"]
+    expected = greedy_reference(plain_tiny, ids, max_tokens, tiny_loaded.pad_token_id)
+    eos = tiny_loaded.tokenizer.eos_token_id
+    if eos in expected:  # the server stops at the end-of-sequence token too
+        expected = expected[:expected.index(eos) + 1]
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0, "stream": True}
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120,
+                          headers={"X-Request-ID": "streaming"}) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line]
+
+    with ThreadPoolExecutor(1) as pool:
+        server.hold()
+        future = pool.submit(stream)
+        server.wait_held()  # its first step (prefill and decode) is running, held at the gate
+        server.process.send_signal(signal.SIGTERM)
+        assert_readiness_fails_then_the_socket_closes(server)
+        server.release()
+        lines = future.result(timeout=120)
+    assert server.process.wait(timeout=60) in (-signal.SIGTERM, 0)
+    assert lines[-1] == "data: [DONE]", lines
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == [tiny_loaded.tokenizer.decode([t]) for t in expected]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_draining_flips_readiness_but_serves_received_requests(tiny_loaded):

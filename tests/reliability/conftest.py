@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -16,6 +14,7 @@ import torch
 from app.main import create_app
 from tests.api.conftest import client, tiny_settings  # noqa: F401 - `client`: the in-process app on the tiny model
 from tests.conftest import live_server
+from tests.gates import async_wait_until, wait_until  # noqa: F401 - re-exported for the tier's tests
 
 POISON = 13  # a token id that makes the injected fault fire when it reaches the model
 
@@ -28,6 +27,8 @@ class ModelProbe:
     def __init__(self, model: torch.nn.Module):
         self.seen: list[list[int]] = []  # every sequence that reached the model (pad ids included)
         self.batch_sizes: list[int] = []
+        self.passes: list[list[list[int]]] = []  # the rows of every pass, in order: prefills have more than one
+        # column, decode steps one
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a forward pass has started (and may be waiting at the gate)
@@ -45,6 +46,7 @@ class ModelProbe:
         self.entered.set()
         self.gate.wait(60)
         self.batch_sizes.append(ids.shape[0])
+        self.passes.append(ids.tolist())
         self.seen.extend(ids.tolist())
         error = self.fault(ids)
         if error is not None:
@@ -75,21 +77,20 @@ def serving(tiny_loaded, **settings):
         yield base_url, app
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll until `condition()` holds; a bound on waiting, never a measured time."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+def bisection(size: int, bad: int) -> list[int]:
+    """The batch sizes that retrying a failing batch in halves runs, when only the unit at index `bad` fails."""
+    def split(lo: int, hi: int) -> list[int]:
+        sizes = [hi - lo]
+        if hi - lo > 1 and lo <= bad < hi:
+            half = (hi - lo) // 2
+            sizes += split(lo, lo + half) + split(lo + half, hi)
+        return sizes
+    return split(0, size)
 
 
-async def async_wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+def poisoned_row(rows: list[list[int]]) -> int:
+    (index,) = [i for i, row in enumerate(rows) if POISON in row]
+    return index
 
 
 def score_body(ids: list[int], labels: list[int] | None = None, **extra) -> dict:

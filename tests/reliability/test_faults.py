@@ -4,6 +4,7 @@ batcher loop, and a model that is missing or broken at start-up."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,17 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.reliability.conftest import POISON, answer, async_wait_until, same_answer, score_body, serving
+from tests.gates import Step, StepGate
+from tests.reliability.conftest import (
+    POISON,
+    answer,
+    async_wait_until,
+    bisection,
+    poisoned_row,
+    same_answer,
+    score_body,
+    serving,
+)
 
 GOOD = [[5, 6, 7, 8], [20, 21], [30, 31, 32, 33, 34, 35], [40], [50, 51, 52], [60, 61, 62, 63, 64], [70, 71]]
 BAD = [1, POISON, 2]
@@ -25,9 +36,22 @@ def poison_fault(ids: torch.Tensor):
     return None
 
 
-async def burst(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        return list(await asyncio.gather(*(client.post("/score", json=b) for b in bodies)))
+async def held_burst(base_url: str, app, probe, bodies: list[dict]) -> list[httpx.Response]:
+    """Hold the model on a blocker request, queue every body behind it, then let go: the bodies reach the model as
+    one batch (the test asserts it from the batch sizes the probe saw)."""
+    batcher = app.state.lifecycle.engine.batcher
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        probe.entered.clear()
+        probe.gate.clear()
+        blocker = asyncio.create_task(client.post("/score", json=score_body([3, 4])))
+        await async_wait_until(probe.entered.is_set, what="the blocker to reach the model")
+        tasks = [asyncio.create_task(client.post("/score", json=b)) for b in bodies]
+        await async_wait_until(lambda: batcher.waiting == len(bodies), what="the burst to be queued")
+        probe.batch_sizes.clear()
+        probe.passes.clear()
+        probe.gate.set()
+        assert (await blocker).status_code == 200
+        return list(await asyncio.gather(*tasks))
 
 
 def assert_engine_error(response: httpx.Response) -> None:
@@ -37,19 +61,20 @@ def assert_engine_error(response: httpx.Response) -> None:
 
 
 def test_failing_batch_is_split_and_only_the_failing_request_gets_500(tiny_loaded, probe):
-    with serving(tiny_loaded, max_batch_size=16, max_wait_ms=100) as (base_url, _):
+    with serving(tiny_loaded, max_batch_size=16) as (base_url, app):
         alone = [answer(httpx.post(f"{base_url}/score", json=score_body(ids), timeout=30)) for ids in GOOD]
         probe.fault = poison_fault
-        probe.batch_sizes.clear()
         bodies = [score_body(ids) for ids in GOOD[:3]] + [score_body(BAD)] + [score_body(ids) for ids in GOOD[3:]]
-        responses = asyncio.run(burst(base_url, bodies))
+        responses = asyncio.run(held_burst(base_url, app, probe, bodies))
         assert_engine_error(responses[3])
         good = responses[:3] + responses[4:]
         assert [r.status_code for r in good] == [200] * len(GOOD)
         for expected, got in zip(alone, good):
             assert same_answer(expected, answer(got))
-        assert probe.batch_sizes[0] > 2, f"the burst did not share a batch: {probe.batch_sizes}"
-        assert probe.batch_sizes.count(1) >= 1  # bisected down to the poisoned unit alone
+        # after the blocker (1), the 8 shared one batch, which failed and was split in halves down to the poisoned
+        # unit alone (where it sits in the batch depends on which connection the server read first)
+        assert probe.batch_sizes[:2] == [1, 8], f"the burst did not share a batch: {probe.batch_sizes}"
+        assert probe.batch_sizes[1:] == bisection(8, poisoned_row(probe.passes[1]))
         assert httpx.get(f"{base_url}/health").status_code == 200
         probe.fault = lambda ids: None
         assert httpx.post(f"{base_url}/score", json=score_body(GOOD[0]), timeout=30).status_code == 200
@@ -69,15 +94,15 @@ def test_request_that_fails_on_its_own_is_500_and_its_items_do_not_run_after(tin
     lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
 ], ids=["cuda-oom", "cpu-oom"])
 def test_out_of_memory_batches_are_retried_smaller_and_everyone_gets_the_right_answer(tiny_loaded, probe, make_oom):
-    with serving(tiny_loaded, max_batch_size=16, max_wait_ms=100) as (base_url, _):
+    with serving(tiny_loaded, max_batch_size=16) as (base_url, app):
         alone = [answer(httpx.post(f"{base_url}/score", json=score_body(ids), timeout=30)) for ids in GOOD]
         probe.fault = lambda ids: make_oom() if ids.shape[0] > 2 else None  # the "device" fits 2 sequences
-        probe.batch_sizes.clear()
-        responses = asyncio.run(burst(base_url, [score_body(ids) for ids in GOOD]))
+        responses = asyncio.run(held_burst(base_url, app, probe, [score_body(ids) for ids in GOOD]))
         assert [r.status_code for r in responses] == [200] * len(GOOD)
         for expected, got in zip(alone, responses):
             assert same_answer(expected, answer(got))
-        assert max(probe.batch_sizes) > 2  # a batch did run out of memory and was split
+        # after the blocker (1), the 7 ran out of memory together, then in halves until every piece fit
+        assert probe.batch_sizes == [1, 7, 3, 1, 2, 4, 2, 2], probe.batch_sizes
 
 
 def test_dead_batcher_loop_fails_every_waiting_caller_at_once_and_health(tiny_loaded, probe):
@@ -112,8 +137,10 @@ def test_dead_batcher_loop_fails_every_waiting_caller_at_once_and_health(tiny_lo
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     genscore = Path(sys.executable).with_name("genscore")
-    return subprocess.run([str(genscore), "serve", "--port", str(free_port()), *args], capture_output=True,
-                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    # 127.0.0.1 always, and no GENSCORE_* settings from the environment (a container sets GENSCORE_HOST=0.0.0.0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENSCORE_")}
+    return subprocess.run([str(genscore), "serve", "--host", "127.0.0.1", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, env=env)
 
 
 def test_missing_model_exits_non_zero_with_a_clear_message():
@@ -137,26 +164,39 @@ def test_failing_prefill_is_split_and_only_the_failing_prompt_gets_500(tiny_load
         # decode steps feed one token per row ([B, 1]); only a prefill holds the whole poisoned prompt
         return poison_fault(ids) if ids.shape[1] > 1 else None
 
-    def completion(prompt: list[int]) -> dict:
-        return {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    def completion(prompt: list[int], max_tokens: int = 4) -> dict:
+        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
 
     prompts = [[5, 6, 7, 8], [20, 21, 22], BAD, [30, 31, 32, 33, 34]]
-    with serving(tiny_loaded) as (base_url, _):
-        alone = {i: httpx.post(f"{base_url}/v1/completions", json=completion(p), timeout=30).json()
-                 for i, p in enumerate(prompts) if p is not BAD}
+    bodies = [completion(prompts[0], max_tokens=8)] + [completion(p) for p in prompts[1:]]
+    with serving(tiny_loaded) as (base_url, app):
+        alone = {i: httpx.post(f"{base_url}/v1/completions", json=b, timeout=30).json()
+                 for i, b in enumerate(bodies) if b["prompt"] is not BAD}
+        generator = app.state.lifecycle.generator
+        gate = StepGate(generator)
         probe.fault = prefill_fault
-        probe.gate.clear()  # hold the first prefill so the others queue up and are admitted together
 
         async def scenario():
+            # the first prompt's step is held; the others queue behind it and are admitted together in the next
+            # step, while the first is decoding
             async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-                first = asyncio.create_task(client.post("/v1/completions", json=completion(prompts[0])))
-                await async_wait_until(probe.entered.is_set, what="the first prefill")
-                rest = [asyncio.create_task(client.post("/v1/completions", json=completion(p))) for p in prompts[1:]]
-                await asyncio.sleep(0.2)  # the others are queued behind the held step
-                probe.gate.set()
+                gate.hold()
+                first = asyncio.create_task(client.post("/v1/completions", json=bodies[0]))
+                await async_wait_until(gate.entered.is_set, what="the first step")
+                rest = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies[1:]]
+                await async_wait_until(lambda: len(generator._waiting) == 3, what="the others to queue")
+                probe.passes.clear()
+                gate.release()
                 return [await first] + [await task for task in rest]
 
-        responses = asyncio.run(scenario())
+        try:
+            responses = asyncio.run(scenario())
+        finally:
+            gate.remove()
+        assert Step(admitted=3, running=1) in gate.steps, gate.steps  # the newcomers met a decoding row
+        prefills = [rows for rows in probe.passes if len(rows[0]) > 1]
+        # the first's own prefill, then the three newcomers together (failed), then in halves down to BAD alone
+        assert [len(rows) for rows in prefills] == [1] + bisection(3, poisoned_row(prefills[1])), probe.passes
         assert_engine_error(responses[2])
         for i in (0, 1, 3):
             assert responses[i].status_code == 200, responses[i].text

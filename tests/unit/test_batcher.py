@@ -12,24 +12,49 @@ import torch
 
 from app.batcher import Batcher, request_deadline
 from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
+from tests.gates import async_wait_until
 
 
 class Recorder:
-    """A handler that records each batch it gets and answers each unit with a function of it."""
+    """A handler that records each batch it gets and answers each unit with a function of it; with a gate, each
+    batch sets `entered` and waits for the gate (the test's way to hold the worker, never a sleep)."""
 
     def __init__(self, answer=lambda w: ("done", w), fail_when=lambda batch: False, gate: threading.Event | None = None):
         self.batches: list[list] = []
         self.answer = answer
         self.fail_when = fail_when
         self.gate = gate
+        self.entered = threading.Event()
 
     def __call__(self, batch):
-        if self.gate is not None:
-            self.gate.wait(5)
+        self.entered.set()
+        if self.gate is not None and not self.gate.wait(60):
+            raise AssertionError("the test never opened the gate")
         self.batches.append(list(batch))
         if self.fail_when(batch):
             raise RuntimeError("boom")
         return [self.answer(w) for w in batch]
+
+
+async def running(handler: Recorder) -> None:
+    """Until the worker has taken a batch (and, with a gate, is held in it)."""
+    await async_wait_until(handler.entered.is_set, what="a batch to reach the handler")
+
+
+async def queued(batcher: Batcher, units: int) -> None:
+    await async_wait_until(lambda: batcher.waiting == units, what=f"{units} queued units")
+
+
+class FakeClock:
+    """time.monotonic for app.batcher, moved by the test: deadlines pass when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = staticmethod(time.perf_counter)
 
 
 def make(handler, **limits):
@@ -74,18 +99,32 @@ async def test_token_budget_counts_padding():
 
 
 async def test_failed_batch_is_split_so_only_the_failing_unit_fails():
-    handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch))
+    gate = threading.Event()
+    handler = Recorder(fail_when=lambda batch: any(w[0] == "bad" for w in batch), gate=gate)
     batcher = make(handler)
     batcher.start()
+    blocker = asyncio.create_task(batcher.submit([("blocker", 1)]))
+    await running(handler)  # the worker is held: every caller below queues, then all seven units share a batch
     callers = [[("ok0", 1)], [("ok1", 1), ("ok2", 1)], [("bad", 1)], [("ok3", 1)], [("ok4", 1), ("ok5", 1)]]
-    outcomes = await asyncio.gather(*(batcher.submit(w) for w in callers), return_exceptions=True)
+    tasks = [asyncio.create_task(batcher.submit(w)) for w in callers]
+    await queued(batcher, 7)
+    gate.set()
+    await blocker
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(outcomes[2], EngineError) and "boom" not in str(outcomes[2])  # the cause goes to the log only
     for works, got in zip(callers, outcomes):
         if works[0][0] != "bad":
             assert got == [("done", w) for w in works]
-    assert len(handler.batches[0]) == 7  # they did share one batch, which failed
-    assert [w[0] for w in handler.batches[-1]] != ["bad"] or len(handler.batches) > 2
-    assert sum(b == [("bad", 1)] for b in handler.batches) == 1  # bisected down to the bad unit alone, once
+    # the shared batch failed and was retried in halves, each failing half split again, down to "bad" alone
+    assert [[w[0] for w in b] for b in handler.batches][1:] == [
+        ["ok0", "ok1", "ok2", "bad", "ok3", "ok4", "ok5"],
+        ["ok0", "ok1", "ok2"],
+        ["bad", "ok3", "ok4", "ok5"],
+        ["bad", "ok3"],
+        ["bad"],
+        ["ok3"],
+        ["ok4", "ok5"],
+    ]
     assert await batcher.submit([("after", 1)]) == [("done", ("after", 1))]
     assert batcher.alive
     await batcher.stop()
@@ -117,7 +156,8 @@ async def test_a_request_with_a_failing_unit_fails_whole_and_its_other_units_are
     batcher.start()
     request = asyncio.create_task(batcher.submit([("bad", 1), ("sibling", 1)]))
     other = asyncio.create_task(batcher.submit([("other", 1)]))
-    await asyncio.sleep(0.05)
+    await running(handler)  # "bad" holds the worker; "sibling" and "other" wait behind it
+    await queued(batcher, 2)
     gate.set()
     with pytest.raises(EngineError):
         await request
@@ -132,7 +172,8 @@ async def test_full_admission_queue_refuses_at_once_with_retry_after():
     batcher = make(handler, max_wait_ms=0, max_queued_requests=2, retry_after_s=7)
     batcher.start()
     admitted = [asyncio.create_task(batcher.submit([(f"a{i}", 1)])) for i in range(2)]
-    await asyncio.sleep(0.02)
+    await running(handler)
+    assert batcher.admitted == 2
     with pytest.raises(OverloadedError) as refused:
         await batcher.submit([("over", 1)])
     assert refused.value.status_code == 503 and refused.value.headers == {"Retry-After": "7"}
@@ -152,9 +193,11 @@ async def test_admission_is_released_by_failures_and_cancellations():
     batcher = make(handler, max_wait_ms=0, max_queued_requests=3)
     batcher.start()
     first = asyncio.create_task(batcher.submit([("first", 1)]))
+    await running(handler)  # "first" holds the worker: the other two queue behind it
     bad = asyncio.create_task(batcher.submit([("bad", 1)]))
     doomed = asyncio.create_task(batcher.submit([("doomed", 1)]))
-    await asyncio.sleep(0.02)
+    await queued(batcher, 2)
+    assert batcher.admitted == 3
     doomed.cancel()
     gate.set()
     await first
@@ -172,7 +215,7 @@ async def test_deadline_passing_in_the_queue_is_504_and_the_work_never_runs():
     batcher = make(handler, max_wait_ms=0)
     batcher.start()
     blocker = asyncio.create_task(batcher.submit([("blocker", 1)]))
-    await asyncio.sleep(0.02)  # "blocker" holds the worker
+    await running(handler)  # "blocker" holds the worker until the gate opens, long after late's deadline
     with pytest.raises(DeadlineExceededError) as late:
         await batcher.submit([("late", 1)], deadline=time.monotonic() + 0.05)
     assert late.value.status_code == 504
@@ -183,26 +226,29 @@ async def test_deadline_passing_in_the_queue_is_504_and_the_work_never_runs():
     await batcher.stop()
 
 
-async def test_deadline_of_the_request_context_is_used_and_started_work_finishes():
+async def test_deadline_of_the_request_context_is_used_and_started_work_finishes(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("app.batcher.time", clock)
     gate = threading.Event()
     handler = Recorder(gate=gate)
     batcher = make(handler, max_wait_ms=0)
     batcher.start()
 
     async def submit_with_context_deadline(works, seconds):
-        request_deadline.set(time.monotonic() + seconds)  # as the request guard does per HTTP request
+        request_deadline.set(clock.now + seconds)  # as the request guard does per HTTP request
         return await batcher.submit(works)
 
-    started = asyncio.create_task(submit_with_context_deadline([("started", 1)], 0.05))
-    await asyncio.sleep(0.02)  # "started" is in the handler now, blocked on the gate
-    queued = asyncio.create_task(submit_with_context_deadline([("queued", 1)], 0.05))
-    await asyncio.sleep(0.1)  # both deadlines have passed
+    started = asyncio.create_task(submit_with_context_deadline([("started", 1)], 30))
+    await running(handler)  # "started" is in the handler now, blocked on the gate
+    late = asyncio.create_task(submit_with_context_deadline([("queued", 1)], 30))
+    await queued(batcher, 1)
+    clock.now += 60  # both deadlines have passed
     gate.set()
     assert await started == [("done", ("started", 1))]  # a deadline never aborts work that started
     with pytest.raises(DeadlineExceededError):
-        await queued
+        await late
     with pytest.raises(DeadlineExceededError):  # already past: refused before queueing
-        await batcher.submit([("x", 1)], deadline=time.monotonic() - 1)
+        await batcher.submit([("x", 1)], deadline=clock.now - 1)
     assert [w[0] for b in handler.batches for w in b] == ["started"]
     await batcher.stop()
 
@@ -213,10 +259,10 @@ async def test_cancelled_caller_never_reaches_the_handler():
     batcher = make(handler, max_wait_ms=0)
     batcher.start()
     first = asyncio.create_task(batcher.submit([("first", 1)]))
-    await asyncio.sleep(0.05)  # "first" is now running, blocked on the gate
+    await running(handler)  # "first" is now running, blocked on the gate
     doomed = asyncio.create_task(batcher.submit([("doomed", 1)]))
     survivor = asyncio.create_task(batcher.submit([("survivor", 1)]))
-    await asyncio.sleep(0.02)
+    await queued(batcher, 2)
     doomed.cancel()
     gate.set()
     assert await first == [("done", ("first", 1))]
@@ -230,16 +276,17 @@ async def test_cancelled_caller_never_reaches_the_handler():
 
 async def test_dead_loop_fails_waiting_callers_and_refuses_new_ones():
     gate = threading.Event()
-    batcher = make(Recorder(gate=gate), max_wait_ms=0)
+    handler = Recorder(gate=gate)
+    batcher = make(handler, max_wait_ms=0)
     batcher.start()
-    running = asyncio.create_task(batcher.submit([("running", 1)]))
-    await asyncio.sleep(0.05)
-    queued = asyncio.create_task(batcher.submit([("queued", 1)]))
-    await asyncio.sleep(0.01)
+    in_handler = asyncio.create_task(batcher.submit([("running", 1)]))
+    await running(handler)
+    waiting = asyncio.create_task(batcher.submit([("queued", 1)]))
+    await queued(batcher, 1)
     batcher._task.cancel()  # the loop dies (as an unexpected bug would end it)
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: not batcher.alive, what="the loop to end")
     gate.set()
-    for task in (running, queued):
+    for task in (in_handler, waiting):
         with pytest.raises(ServiceUnavailableError):
             await asyncio.wait_for(task, 2)
     assert not batcher.alive

@@ -367,7 +367,7 @@ def test_input_logits_never_modified():
         before = x.clone()
         score(x, p_all)
         process(x, p_all)
-        sample(x, p_all, [None] * 4)
+        sample(x, p_all, [torch.Generator().manual_seed(i) for i in range(4)])
         snap = snapshot(x, p_all)
         snap.fill_(7.0)  # a raw_logits snapshot must not alias the caller's tensor
         assert torch.equal(x, before)
@@ -443,7 +443,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_neighbours():
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
     x = probs.log().expand(4000, 4).contiguous()
-    tokens = sample(x, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
+    tokens = sample(x, [SamplingParams(temperature=1.0)] * 4000, [_gen(1000 + r) for r in range(4000)])
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert freq[3] == 0
     assert torch.allclose(freq, probs, atol=0.04)

@@ -1,0 +1,63 @@
+"""bfloat16 end to end on the tiny Llama, over real HTTP: load with the serving kernels, score, and generate, each
+against the same weights loaded the plain transformers way in bfloat16."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from app.main import create_app
+from app.settings import Settings
+from models import load_model
+from tests.conftest import live_server
+from tests.reference import greedy_reference, plain_model, position_logits
+
+QUERY = [5, 6, 7, 8, 9, 10, 11, 12]
+ITEMS = [[30, 31], [], [40, 41, 42, 43, 44]]
+LABELS = [0, 5, 17, 100, 300]
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_model_dirs):
+    folder = tiny_model_dirs["llama"]
+    loaded = load_model(str(folder), "cpu", "bfloat16")
+    plain = plain_model(folder, dtype=torch.bfloat16)
+    app = create_app(Settings(model="unused", served_model_name="tiny-llama", device="cpu", dtype="bfloat16"),
+                     loaded=loaded)
+    with live_server(app) as base_url:
+        yield base_url, loaded, plain
+
+
+def test_the_served_model_is_bfloat16_with_its_serving_kernels(bf16):
+    _, loaded, plain = bf16
+    assert loaded.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    assert any(not type(m).__module__.startswith(("torch.", "transformers.")) for m in loaded.model.modules())
+
+
+def test_bfloat16_scores_match_the_plain_bfloat16_model(bf16):
+    base_url, _, plain = bf16
+    response = httpx.post(f"{base_url}/score", timeout=30, json={
+        "query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "top_logprobs": 3})
+    assert response.status_code == 200, response.text
+    for item, entry in zip(ITEMS, response.json()["data"]):
+        expected = torch.log_softmax(position_logits(plain, QUERY + item)[-1], -1)  # float32 of bf16 logits
+        # bf16 carries 8 bits of mantissa: kernels that sum in another order move logits by a few ulps
+        assert entry["label_logprobs"] == pytest.approx(expected[LABELS].tolist(), abs=3e-2)
+        assert [t["token_id"] for t in entry["top_logprobs"]][:1] == expected.topk(1).indices.tolist()
+
+
+def test_bfloat16_greedy_generation_matches_the_plain_bfloat16_model(bf16):
+    base_url, loaded, plain = bf16
+    prompt = [5, 6, 7, 8]
+    response = httpx.post(f"{base_url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0})
+    assert response.status_code == 200, response.text
+    expected = greedy_reference(plain, prompt, 8, loaded.pad_token_id)
+    eos = loaded.tokenizer.eos_token_id
+    if eos in expected:
+        expected = expected[:expected.index(eos) + 1]
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens == [loaded.tokenizer.decode([t]) for t in expected]
