@@ -123,7 +123,7 @@ class Engine:
         # device thread, shared with the generation loop so the two never drive the model at once.
         self._owns_device = device is None
         self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-forward")
-        # issue 7: tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
+        # Tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
         # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
         self.batcher: Batcher[ScoreWork, ScoreOutcome] = Batcher(
@@ -133,7 +133,7 @@ class Engine:
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_ms=settings.max_wait_ms,
-            max_queued_requests=settings.max_queued_requests,  # issue 7: bounded admission
+            max_queued_requests=settings.max_queued_requests,  # bounded admission
             retry_after_s=settings.retry_after_s,
             on_batch=on_batch,
         )
@@ -400,8 +400,7 @@ class Engine:
         """Validate, queue every prompt of the request in the batcher, and build the /score response body."""
         self.check_model(request.model)
         params = self.sampling_params(request)
-        loop = asyncio.get_running_loop()
-        prompts = await loop.run_in_executor(self._tokenize_executor, self.score_prompts, request)  # issue 7
+        prompts = await self.on_tokenizer_thread(self.score_prompts, request)
         candidates = self.score_candidates(request, prompts)
         outcomes = await self.run_prompts(prompts, params, candidates)
         return self._score_response(request, params, prompts, candidates, outcomes)

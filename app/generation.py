@@ -183,7 +183,7 @@ class Generator(ConsumerLoop):
         """
         if not self.alive:
             raise ServiceUnavailableError("the generation loop is not running")
-        # issue 7: a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
+        # a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
         if len(self._waiting) >= self.max_queued_requests:
             raise OverloadedError(
                 f"the server is overloaded: {self.max_queued_requests} prompts are already waiting to generate "

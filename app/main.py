@@ -140,14 +140,14 @@ def create_app(
         version="0.1.0",
         description="Generative scoring: the logprob of candidate tokens after a prompt, from a causal LM.",
         lifespan=lifespan,
-        responses=edge_error_responses(with_api_key=settings.api_key is not None),  # issue 7
+        responses=edge_error_responses(with_api_key=settings.api_key is not None),
     )
     app.state.lifecycle = state
     app.state.rerank = "the model is loading"  # RerankPrompts once loaded, or why reranking is unavailable
     app.state.settings = settings
     app.state.metrics = metrics_registry
     install_error_handlers(app)
-    # issue 7: body cap, deadline and disconnect handling innermost, then the API key, then CORS.
+    # Body cap, deadline and disconnect handling innermost, then the API key, then CORS.
     app.add_middleware(RequestGuard, settings=settings)
     install_access_control(app, settings)
     # Outermost (added last): every response, errors included, gets its request id and is counted and logged.

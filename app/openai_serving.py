@@ -62,7 +62,7 @@ class OpenAIServing:
         """fn(*args) on the engine's tokenizing thread, the one /score tokenizes on: a long text never stalls the
         event loop (probes, other callers), and a fast tokenizer shared by threads can fail with "Already
         borrowed", so every route tokenizes on that one thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.engine._tokenize_executor, fn, *args)
+        return await self.engine.on_tokenizer_thread(fn, *args)
 
     # --- shared validation ---------------------------------------------------------------------------------------
     def _sampling(self, request: GenerationFields) -> SamplingParams:
@@ -139,7 +139,7 @@ class OpenAIServing:
                                           f"{self.settings.max_label_token_ids}", "logprob_token_ids")
             self._check_token_ids(list(ids_to_report), "logprob_token_ids")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        check_limit(max_tokens, self.settings.max_generated_tokens, "max_tokens", "max_generated_tokens")  # issue 7
+        check_limit(max_tokens, self.settings.max_generated_tokens, "max_tokens", "max_generated_tokens")
         prompts, echo_texts = [], []
         for i, item in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -291,7 +291,7 @@ class OpenAIServing:
         ids = self.loaded.tokenizer(self.render_chat(request.messages), add_special_tokens=False)["input_ids"]
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        check_limit(requested, self.settings.max_generated_tokens, param, "max_generated_tokens")  # issue 7
+        check_limit(requested, self.settings.max_generated_tokens, param, "max_generated_tokens")
         max_tokens = (requested if requested is not None
                       else min(max(0, self.loaded.max_length - len(ids)), self.settings.max_generated_tokens))
         self._check_length(ids, max_tokens, "messages", param)

@@ -21,7 +21,7 @@ class _Strict(BaseModel):
 class ProcessorFields(_Strict):
     """Per-request logit processors; they shape the `processed_*` logprobs modes only."""
 
-    # issue 7: a temperature below 0.01 (vLLM's floor too) or a bias beyond OpenAI's +-100 overflows float32
+    # a temperature below 0.01 (vLLM's floor too) or a bias beyond OpenAI's +-100 overflows float32
     # logits into inf/NaN, which has no logprob; they are refused as 400 instead of failing in the batch.
     temperature: Number | None = Field(default=None, ge=0.01, description="Divide logits by this (>= 0.01).")
     top_k: TokenId | None = Field(default=None, ge=-1, description="Keep the k most likely tokens (0 or -1: off).")

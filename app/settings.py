@@ -64,13 +64,13 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt accepted (default: the model's maximum length)."""
 
-    # --- OpenAI completions, chat and generation (issue 3) ---
+    # --- OpenAI completions, chat and generation ---
     max_choices: int = Field(default=128, ge=1)
     """Most choices (prompts x n) in one /v1/completions or /v1/chat/completions request."""
     max_cache_tokens: int = Field(default=65536, ge=1)
     """Most KV-cache slots (decoding sequences x padded length) before new generation requests wait their turn."""
 
-    # --- operations (issue 6): logs, shutdown ---
+    # --- operations: logs, shutdown ---
     log_format: Literal["text", "json"] = "text"
     """Log line format on stderr: `text`, or `json` (one object per line, for log collectors)."""
     access_log: bool = True
@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     drain_timeout_s: float | None = Field(default=30.0, ge=0)
     """After SIGTERM, how long requests already received may take to finish before they get a 503 (null: no limit)."""
 
-    # --- reliability and security (issue 7) ---
+    # --- reliability and security ---
     max_queued_requests: int = Field(default=256, ge=1)
     """Most requests admitted to the batcher at once (queued or running); beyond it a request gets 503 at once."""
     max_open_requests: int = Field(default=1024, ge=1)

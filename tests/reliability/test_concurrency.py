@@ -121,34 +121,29 @@ def test_every_route_tokenizes_on_one_thread_and_gets_its_own_ids(gated_tokenize
     assert set(tokenizer.threads) == {"genscore-tokenize_0"}, set(tokenizer.threads)
 
 
-def test_score_forward_pass_interleaved_with_streaming_decode_steps(tiny_loaded, plain_tiny):
-    """Two threads drive the one model: the scoring worker and the generation worker. A /score pass (two prompts
-    packed in one row) is held halfway through the layers while a streamed completion prefills and reaches its
-    first decode step, which is held halfway too; the scoring pass then finishes while the decode step is inside
-    the model, and the stream after it. Any state one thread leaves on the shared model while it is inside shows
-    up in the other's numbers; both must be the plain model's."""
+def test_a_generation_step_waits_for_the_scoring_pass_on_the_one_device_thread(tiny_loaded, plain_tiny):
+    """Scoring and generation share one device thread: a /score pass (two prompts packed in one row) is held
+    halfway through the layers while a streamed completion is admitted; its step is handed to the device
+    thread but enters the model only after the scoring pass has left it. Both answers are the plain model's."""
     layers = tiny_loaded.model.base_model.layers
     middle = layers[len(layers) // 2]
     score_held, go_score = threading.Event(), threading.Event()
-    decode_held, go_decode = threading.Event(), threading.Event()
     go_score.set()
-    go_decode.set()
+    entries: list[int] = []  # tokens per call reaching the middle layer, in order: 21 is the packed scoring row
 
     def hold(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
-        thread = threading.current_thread().name
-        if thread.startswith("genscore-forward") and not go_score.is_set():
+        entries.append(hidden.shape[0] * hidden.shape[1])
+        if not go_score.is_set():
             score_held.set()
             go_score.wait(60)
-        elif thread.startswith("genscore-generate") and hidden.shape[1] == 1 and not go_decode.is_set():
-            decode_held.set()
-            go_decode.wait(60)
 
     handle = middle.register_forward_pre_hook(hold, with_kwargs=True)
     score_ids, items = [5, 6, 7, 8, 9, 10, 11, 12], [[30, 31], [40, 41, 42]]
     prompt_ids = [20, 21, 22]
     try:
         with serving(tiny_loaded, share_prefixes=False) as (base_url, app):  # the two prompts are packed
+            generator = app.state.lifecycle.generator
 
             async def read_stream(client: httpx.AsyncClient) -> list[str]:
                 async with client.stream("POST", "/v1/completions", json={
@@ -158,24 +153,23 @@ def test_score_forward_pass_interleaved_with_streaming_decode_steps(tiny_loaded,
 
             async def scenario():
                 async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+                    entries.clear()
                     go_score.clear()
                     score = asyncio.create_task(client.post("/score", json={
                         "query": score_ids, "items": items, "label_token_ids": [0, 5, 100], "top_logprobs": 3}))
                     await async_wait_until(score_held.is_set, what="the scoring pass to reach the middle layer")
-                    go_decode.clear()
                     stream = asyncio.create_task(read_stream(client))
-                    await async_wait_until(decode_held.is_set, what="a decode step to reach the middle layer")
-                    go_score.set()  # the scoring pass runs its other layers while the decode step is inside
-                    scored = await score
-                    assert not stream.done()
-                    go_decode.set()
-                    return scored, await stream
+                    # the prompt is admitted and its step handed to the device thread, which is busy scoring
+                    await async_wait_until(lambda: bool(generator._admitting), what="the generation step to start")
+                    assert entries == [21], entries  # nothing else has entered the model
+                    go_score.set()
+                    return await score, await stream
 
             score, lines = asyncio.run(scenario())
     finally:
         go_score.set()
-        go_decode.set()
         handle.remove()
+    assert entries[0] == 21 and entries[1] == len(prompt_ids), entries  # the prefill came after the scoring pass
     greedy = greedy_reference(plain_tiny, prompt_ids, 6, tiny_loaded.pad_token_id)
     eos = tiny_loaded.tokenizer.eos_token_id
     if eos in greedy:  # the server stops at the end-of-sequence token too
