@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 import sampler
-from app.batcher import BatchStats, Batcher
+from app.batcher import Batcher, BatchStats
 from app.errors import InvalidRequestError, ModelNotServedError
 from app.schemas import ScoreRequest
 from app.settings import Settings

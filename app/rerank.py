@@ -94,7 +94,7 @@ class RerankPrompts:
     no_id: int
 
     @classmethod
-    def bind(cls, fmt: RerankFormat, tokenizer: PreTrainedTokenizerBase) -> "RerankPrompts":
+    def bind(cls, fmt: RerankFormat, tokenizer: PreTrainedTokenizerBase) -> RerankPrompts:
         ids = []
         for word in (fmt.yes, fmt.no):
             tokens = tokenizer(word, add_special_tokens=False)["input_ids"]

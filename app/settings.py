@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     """Origins allowed to call the API from a browser (CORS); empty = CORS off. `*` allows any."""
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         return self

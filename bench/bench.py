@@ -21,8 +21,14 @@ from pathlib import Path
 from bench import report
 from bench.loop import closed_loop
 from bench.peak import gemm_gflops
-from bench.servers import (GenscoreClient, LlamaClient, find_llama_server, genscore_load_seconds, start_genscore,
-                           start_llama)
+from bench.servers import (
+    GenscoreClient,
+    LlamaClient,
+    find_llama_server,
+    genscore_load_seconds,
+    start_genscore,
+    start_llama,
+)
 from bench.workload import items_workload, scoring_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,8 +124,9 @@ def main(argv=None) -> int:
     results["gemm_gflops"] = {dtype: gemm_gflops(dtype) for dtype in ("float32", "bfloat16")}
     log(f"GEMM GFLOP/s: {results['gemm_gflops']}")
 
-    from models.loading import resolve_source
     from transformers import AutoTokenizer
+
+    from models.loading import resolve_source
 
     source = resolve_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)

@@ -79,8 +79,8 @@ def main() -> int:
             with torch.inference_mode():
                 reference = [
                     torch.log_softmax(loaded.model(input_ids=torch.tensor([p], device=device)).logits[0, -1].float(), -1)
-                    [l].cpu()
-                    for p, l in zip(prompts[:64], labels[:64])
+                    [label_ids].cpu()
+                    for p, label_ids in zip(prompts[:64], labels[:64])
                 ]
         got = forward_logits(loaded.model, prompts[:64], loaded.pad_token_id).log_softmax(-1).cpu()
         errors = torch.stack([(got[i, labels[i]] - reference[i]).abs().max() for i in range(64)])

@@ -12,7 +12,6 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from models.forward import pad_left
-from models.head import head_logits
 
 
 @dataclass(frozen=True)

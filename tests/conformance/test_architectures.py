@@ -111,9 +111,10 @@ def test_greedy_generation(zoo):
 
 def test_bfloat16_matches_plain_bfloat16(zoo):
     """genscore in bfloat16 against transformers in bfloat16: the same rounding noise, never a different model."""
+    from transformers import AutoModelForCausalLM
+
     from models import forward_logits, load_model
     from models.selfcheck import TOLERANCE
-    from transformers import AutoModelForCausalLM
 
     served = load_model(str(zoo.folder), device="cpu", dtype="bfloat16", cache_dir=None)
     plain = AutoModelForCausalLM.from_pretrained(zoo.folder, dtype=torch.bfloat16).eval()

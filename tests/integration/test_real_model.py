@@ -117,7 +117,7 @@ def test_gguf_cache_gives_identical_weights(real_loaded, reference_model, defaul
     from models import load_model
     from tests.reference import last_logits
 
-    real_loaded  # the session's first load wrote the cache
+    assert real_loaded is not None  # the session's first load wrote the cache
     assert any(default_model_cache.glob("gguf/*/config.json"))
     # optimize=False: compare the weights as loaded, before serving kernels re-lay them out.
     cached = load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=default_model_cache, optimize=False)
