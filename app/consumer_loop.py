@@ -22,7 +22,8 @@ class ConsumerLoop:
         self._task.add_done_callback(self._on_loop_exit)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        # A loop that already died was reported by _on_loop_exit; stopping it must not raise its error again.
+        if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
                 await self._task
