@@ -34,37 +34,18 @@ _BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536
 
 
 class _QueueCollector(Collector):
-    """The batcher's queue, read at scrape time: nothing to keep in step, and always the current engine's."""
+    """A queue's (waiting, running) counts as two gauges, read at scrape time: nothing to keep in step, and always
+    the current engine's. One for the scoring batcher, one for the generation loop (the HPA can see either backlog)."""
 
-    def __init__(self, read: Callable[[], tuple[int, int] | None]):
+    def __init__(self, read: Callable[[], tuple[int, int] | None], waiting: tuple[str, str], running: tuple[str, str]):
         self._read = read
+        self._waiting, self._running = waiting, running  # (name, help) of each gauge
 
     def collect(self):
         counts = self._read()
         waiting, running = counts if counts is not None else (0, 0)
-        yield GaugeMetricFamily(
-            "genscore_requests_waiting",
-            "Sequences (one per prompt: the query, or query + item) queued for a forward pass.",
-            value=waiting,
-        )
-        yield GaugeMetricFamily(
-            "genscore_requests_running", "Sequences in the forward pass being computed now.", value=running
-        )
-
-
-class _GenerationQueueCollector(Collector):
-    """The generation loop's wait list and decode batch, read at scrape time (the HPA can see a generation backlog)."""
-
-    def __init__(self, read: Callable[[], tuple[int, int] | None]):
-        self._read = read
-
-    def collect(self):
-        counts = self._read()
-        waiting, running = counts if counts is not None else (0, 0)
-        yield GaugeMetricFamily("genscore_generation_waiting",
-                                "Prompts waiting for a place in the generation loop's decode batch.", value=waiting)
-        yield GaugeMetricFamily("genscore_generation_running", "Choices decoding in the generation loop now.",
-                                value=running)
+        yield GaugeMetricFamily(*self._waiting, value=waiting)
+        yield GaugeMetricFamily(*self._running, value=running)
 
 
 class _PrefixCacheCollector(Collector):
@@ -152,9 +133,16 @@ class Metrics:
             "Prompt tokens whose key/value states were reused from a shared prefix instead of computed.",
             registry=registry,
         )
-        registry.register(_QueueCollector(queue_counts))
+        registry.register(_QueueCollector(
+            queue_counts,
+            ("genscore_requests_waiting",
+             "Sequences (one per prompt: the query, or query + item) queued for a forward pass."),
+            ("genscore_requests_running", "Sequences in the forward pass being computed now.")))
+        registry.register(_QueueCollector(
+            generation_counts,
+            ("genscore_generation_waiting", "Prompts waiting for a place in the generation loop's decode batch."),
+            ("genscore_generation_running", "Choices decoding in the generation loop now.")))
         registry.register(_PrefixCacheCollector(prefix_cache_stats))
-        registry.register(_GenerationQueueCollector(generation_counts))
 
     # --- feeders -------------------------------------------------------------------
     def observe_batch(self, stats: BatchStats) -> None:

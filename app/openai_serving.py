@@ -58,12 +58,6 @@ class OpenAIServing:
         self.settings = engine.settings
         self.tokens = engine.token_strings
 
-    async def off_loop(self, fn, *args):
-        """fn(*args) on the engine's tokenizing thread, the one /score tokenizes on: a long text never stalls the
-        event loop (probes, other callers), and a fast tokenizer shared by threads can fail with "Already
-        borrowed", so every route tokenizes on that one thread."""
-        return await self.engine.on_tokenizer_thread(fn, *args)
-
     # --- shared validation ---------------------------------------------------------------------------------------
     def _sampling(self, request: GenerationFields) -> SamplingParams:
         bias = self.engine.logit_bias_pairs(request.logit_bias)
@@ -161,7 +155,7 @@ class OpenAIServing:
                     echo_texts if request.echo else None)
 
     async def completion(self, request: CompletionRequest):
-        work = await self.off_loop(self.completion_work, request)
+        work = await self.engine.on_tokenizer_thread(self.completion_work, request)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._completion_chunks(work, response_id, created))
@@ -303,7 +297,7 @@ class OpenAIServing:
                     bool(request.stream_options and request.stream_options.include_usage))
 
     async def chat(self, request: ChatCompletionRequest):
-        work = await self.off_loop(self.chat_work, request)
+        work = await self.engine.on_tokenizer_thread(self.chat_work, request)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._chat_chunks(work, response_id, created))

@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.engine import Engine, check_list_size, softmax_over
+from app.engine import Engine, check_list_size, softmax_over, usage
 from app.errors import InvalidRequestError
 from app.rerank import RerankPrompts
 from app.routes.common import FastJSONResponse, ready_engine
@@ -116,11 +116,9 @@ async def rerank(request: RerankRequest, http_request: Request, engine: Engine) 
             result["document"] = {"text": texts[index]}
         results.append(result)
     results.sort(key=lambda r: -r["relevance_score"])  # stable: equal scores keep the input order
-    prompt_tokens = sum(len(ids) for ids in token_ids)
-    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
-             "prompt_tokens_details": {"cached_tokens": sum(o.reused_tokens for o in outcomes)}}
-    http_request.app.state.metrics.observe_usage(usage)
-    return results[: request.top_n], usage
+    counts = usage(sum(len(ids) for ids in token_ids), outcomes)
+    http_request.app.state.metrics.observe_usage(counts)
+    return results[: request.top_n], counts
 
 
 @router.post("/v1/rerank", response_model=JinaRerankResponse, responses=_ERRORS, response_class=FastJSONResponse)

@@ -29,7 +29,7 @@ _LOCAL_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "i
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    serving: OpenAIServing = Depends(ready_openai)):
     serving.engine.check_model(request.model)
-    return FastJSONResponse(await serving.off_loop(_tokenized, serving, request))
+    return FastJSONResponse(await serving.engine.on_tokenizer_thread(_tokenized, serving, request))
 
 
 def _tokenized(serving: OpenAIServing, request: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
