@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -106,3 +107,14 @@ def wait_ready(client, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("app did not become ready")
         time.sleep(0.02)
+
+
+def json_log_entries(text: str) -> list[dict]:
+    """Each line of a --log-format json log as its object; a line that is not JSON fails the test."""
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON log line: {line!r}") from None
+    return entries

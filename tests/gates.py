@@ -97,3 +97,15 @@ class StepGate(_Gate):
     def remove(self) -> None:
         self.release()
         del self._generator._step  # back to the class's method
+
+
+async def join_running_batch(client, generator, gate: StepGate, first: dict, others: list[dict]):
+    """POST `first` to /v1/completions and hold the generation loop at its first step; queue `others` behind it;
+    let go: they are admitted together while `first` decodes. Returns the task of `first` and the others' tasks."""
+    gate.hold()
+    head = asyncio.create_task(client.post("/v1/completions", json=first))
+    await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
+    rest = [asyncio.create_task(client.post("/v1/completions", json=body)) for body in others]
+    await async_wait_until(lambda: generator.waiting == len(others), what="the others to queue")
+    gate.release()
+    return head, rest

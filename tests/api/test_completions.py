@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from tests.api.conftest import TINY_NAME, tiny_settings
 from tests.conftest import live_server, wait_ready
-from tests.gates import Step, StepGate, async_wait_until, wait_until
+from tests.gates import Step, StepGate, join_running_batch, wait_until
 from tests.reference import greedy_reference
 
 PROMPT = "The quick brown fox"
@@ -169,17 +169,10 @@ def test_sampling_with_a_seed_is_reproducible(client):
 
 
 async def _join_a_running_batch(app, gate: StepGate, first: dict, others: list[dict]) -> list[httpx.Response]:
-    """POST `first`, hold the generation loop at its first step, queue `others` behind it, then let it go: the
-    others are admitted together while `first` is decoding."""
-    generator = app.state.lifecycle.generator
+    """tests.gates.join_running_batch over the app in-process; every answer, `first`'s first."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as ac:
-        gate.hold()
-        head = asyncio.create_task(ac.post("/v1/completions", json=first))
-        await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
-        rest = [asyncio.create_task(ac.post("/v1/completions", json=b)) for b in others]
-        await async_wait_until(lambda: len(generator._waiting) == len(others), what="the others to queue")
-        gate.release()
+        head, rest = await join_running_batch(ac, app.state.lifecycle.generator, gate, first, others)
         return [await head] + list(await asyncio.gather(*rest))
 
 

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.settings import Settings
-from tests.conftest import free_port, live_server
+from tests.conftest import free_port, json_log_entries, live_server
 
 pytestmark = pytest.mark.image
 
@@ -180,13 +180,7 @@ class Pod:
         return proc.stdout + proc.stderr
 
     def log_entries(self) -> list[dict]:
-        entries = []
-        for line in self.logs_text().splitlines():
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                raise AssertionError(f"not a JSON log line: {line!r}") from None
-        return entries
+        return json_log_entries(self.logs_text())
 
     def close(self) -> None:
         podman("rm", "-f", "-t", "0", self.name, check=False)

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.main import create_app
 from app.server import DrainingServer
 from tests.api.conftest import tiny_settings
-from tests.conftest import free_port, wait_ready
+from tests.conftest import free_port, json_log_entries, wait_ready
 from tests.gates import wait_until
 from tests.reference import greedy_reference
 
@@ -82,14 +82,7 @@ class ServerProcess:
         return family.samples[0].value
 
     def log_entries(self) -> list[dict]:
-        lines = self.log_path.read_text().splitlines()
-        entries = []
-        for line in lines:
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                raise AssertionError(f"not a JSON log line: {line!r}") from None
-        return entries
+        return json_log_entries(self.log_path.read_text())
 
     def close(self) -> None:
         if self.process.poll() is None:

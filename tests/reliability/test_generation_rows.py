@@ -10,26 +10,12 @@ import json
 import httpx
 import pytest
 
-from tests.gates import Step, StepGate, async_wait_until, wait_until
+from tests.gates import Step, StepGate, async_wait_until, join_running_batch, wait_until
 from tests.reliability.conftest import POISON, serving
 
 
 def completion(prompt: list[int], **extra) -> dict:
     return {"prompt": prompt, "temperature": 0, "logprobs": 0, **extra}
-
-
-async def join_running(client: httpx.AsyncClient, app, gate: StepGate, first: dict, others: list[dict],
-                       stream_first: bool = False):
-    """POST `first` and hold the loop at its first step; queue `others`; let go: they are admitted together while
-    `first` decodes. Returns the task of `first` (a stream context when stream_first) and the others' tasks."""
-    generator = app.state.lifecycle.generator
-    gate.hold()
-    head = asyncio.create_task(client.post("/v1/completions", json=first))
-    await async_wait_until(gate.entered.is_set, what="the first step to reach the gate")
-    rest = [asyncio.create_task(client.post("/v1/completions", json=body)) for body in others]
-    await async_wait_until(lambda: len(generator._waiting) == len(others), what="the others to queue")
-    gate.release()
-    return head, rest
 
 
 @pytest.fixture
@@ -54,7 +40,7 @@ def test_a_decode_step_failing_for_one_row_leaves_the_other_rows_decoding(step_g
 
     async def scenario():
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-            head, (other,) = await join_running(client, app, gate, steady, [poisoned])
+            head, (other,) = await join_running_batch(client, app.state.lifecycle.generator, gate, steady, [poisoned])
             return await head, await other
 
     steady_answer, poisoned_answer = asyncio.run(scenario())
