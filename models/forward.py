@@ -24,12 +24,9 @@ PACK_TOKENS = 1024
 _ONE_AT_A_TIME: weakref.WeakSet = weakref.WeakSet()
 
 
-def run_one_at_a_time(model: PreTrainedModel, one_at_a_time: bool = True) -> None:
-    """Make forward_logits run each sequence of `model` alone instead of in padded micro-batches (or undo it)."""
-    if one_at_a_time:
-        _ONE_AT_A_TIME.add(model)
-    else:
-        _ONE_AT_A_TIME.discard(model)
+def run_one_at_a_time(model: PreTrainedModel) -> None:
+    """Make forward_logits run each sequence of `model` alone instead of in padded micro-batches."""
+    _ONE_AT_A_TIME.add(model)
 
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):
