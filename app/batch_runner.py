@@ -68,12 +68,17 @@ def _done_lines(options: BatchOptions) -> int:
         return 0
     if not options.resume:
         raise BatchInputError(f"{options.output} already exists: pass --resume to continue it, or remove it")
-    data = options.output.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with options.output.open("r+b") as out:
-            out.truncate(len(complete))
-    return complete.count(b"\n")
+    lines, end = 0, 0  # complete lines, and the offset just past the last one
+    with options.output.open("r+b") as out:
+        offset = 0
+        while chunk := out.read(1 << 20):  # in pieces: the output may be larger than memory
+            lines += chunk.count(b"\n")
+            if (last := chunk.rfind(b"\n")) >= 0:
+                end = offset + last + 1
+            offset += len(chunk)
+        if end != offset:
+            out.truncate(end)
+    return lines
 
 
 def _check_resumable(options: BatchOptions, done: int) -> None:
@@ -111,9 +116,11 @@ async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict:
         return _error_line(custom_id, "invalid_method", f"method must be POST, got {request.get('method')!r}")
     if request.get("url") not in URLS:
         return _error_line(custom_id, "invalid_url", f"url must be one of {list(URLS)}, got {request.get('url')!r}")
-    if request.get("body", {}).get("stream"):
+    if not isinstance(request.get("body"), dict):
+        return _error_line(custom_id, "invalid_request", "body must be a JSON object")
+    if request["body"].get("stream"):
         return _error_line(custom_id, "invalid_request", "stream is not available in a batch")
-    response = await client.post(request["url"], json=request.get("body"))
+    response = await client.post(request["url"], json=request["body"])
     try:
         body = response.json()
     except ValueError:

@@ -40,6 +40,7 @@ def _requests() -> list[dict]:
     rows.append({"custom_id": "bad-body", "method": "POST", "url": "/score",
                  "body": {"query": "x", "label_token_ids": [10 ** 6]}})
     rows.append({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}})
+    rows.append({"custom_id": "bad-body-type", "method": "POST", "url": "/score", "body": "not an object"})
     return rows
 
 
@@ -90,7 +91,7 @@ async def test_every_line_is_answered_as_the_route_answers(tmp_path, settings, t
     rows = _write_input(tmp_path / "in.jsonl")
     counts = await run_batch(settings, BatchOptions(tmp_path / "in.jsonl", tmp_path / "out.jsonl"), loaded=tiny_loaded)
     out = _read(tmp_path / "out.jsonl")
-    assert counts == {"written": len(rows) + 1, "skipped": 0, "errors": 3}
+    assert counts == {"written": len(rows) + 1, "skipped": 0, "errors": 4}
     assert len(out) == len(rows) + 1
     assert out[5]["custom_id"] is None and out[5]["error"]["code"] == "invalid_json"
     answers = out[:5] + out[6:]
@@ -100,6 +101,9 @@ async def test_every_line_is_answered_as_the_route_answers(tmp_path, settings, t
             assert answer["custom_id"] == row["custom_id"]
             if row["custom_id"] == "bad-url":
                 assert answer["response"] is None and answer["error"]["code"] == "invalid_url"
+                continue
+            if row["custom_id"] == "bad-body-type":
+                assert answer["response"] is None and answer["error"]["code"] == "invalid_request"
                 continue
             direct = client.post(row["url"], json=row["body"])
             assert answer["error"] is None
