@@ -59,7 +59,7 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         log_level=settings.log_level,
         log_config=None,  # keep configure_logging's handler (text or JSON) for uvicorn's lines too
-        access_log=False,  # app/middleware.py writes the access log, with the request id
+        access_log=False,  # app/edge/observability.py writes the access log, with the request id
         timeout_graceful_shutdown=settings.drain_timeout_s,
     )
     server = DrainingServer(config)

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from app.middleware import request_id_var
+from app.edge.observability import request_id_var
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Attributes every LogRecord has; anything else on a record came from `extra=` and goes into the JSON object.

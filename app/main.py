@@ -1,4 +1,5 @@
-"""App factory and lifespan: load the model off the event loop, warm up, start the batcher; drain and stop on shutdown."""
+"""The composition root: create_app wires settings, the model, the engine core, the API routes and the edge
+stack; its lifespan loads the model off the event loop, starts and warms the engine, and drains and stops it."""
 
 from __future__ import annotations
 
@@ -6,27 +7,30 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
-from app.auth import install_access_control
-from app.engine import Engine, set_torch_threads
-from app.errors import edge_error_responses, install_error_handlers
-from app.generation import Generator
-from app.limits import RequestGuard
-from app.metrics import Metrics
-from app.middleware import ObservabilityMiddleware
-from app.rerank import RerankFormatError, RerankPrompts, resolve_format
-from app.routes import chat, completions, generative_scoring, health, metrics, rerank, score, sglang, tokenize
+from app.api.compat import sglang, vllm
+from app.api.errors import edge_error_responses, install_error_handlers
+from app.api.health import router as health
+from app.api.openai import router as openai
+from app.api.rerank import router as rerank
+from app.api.rerank.formats import RerankFormatError, RerankPrompts, resolve_format
+from app.api.score import router as score
+from app.api.tokenize import router as tokenize
+from app.edge.auth import install_access_control
+from app.edge.limits import RequestGuard
+from app.edge.metrics import Metrics
+from app.edge.observability import ObservabilityMiddleware
+from app.engine.core import DEVICE_THREAD, Engine, set_torch_threads
 from app.settings import Settings
 from models import LoadedModel, load_model
 
 log = logging.getLogger("genscore")
 
-DEVICE_THREAD = "genscore-device"  # the name of the one thread that runs model calls
+__all__ = ["DEVICE_THREAD", "Lifecycle", "create_app"]
 
 
 @dataclass
@@ -34,7 +38,6 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
-    generator: Generator | None = None  # the decode loop of /v1/completions and /v1/chat/completions
     ready: bool = False
     warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
@@ -45,11 +48,14 @@ class Lifecycle:
         """Why this process can never serve again (liveness fails), or None."""
         if self.load_error is not None:
             return self.load_error
-        if self.engine is not None and not self.engine.batcher.alive and not self.draining:
-            return "the batcher loop died"
-        if self.generator is not None and not self.generator.alive and not self.draining:
-            return "the generation loop died"
+        if self.engine is not None and not self.engine.alive and not self.draining:
+            return "the engine loop (scoring batcher and generation) died"
         return None
+
+    @property
+    def generator(self):
+        """The engine's decode loop (tests and the probes' callers reach it through here)."""
+        return self.engine.generator if self.engine is not None else None
 
     def start_draining(self) -> None:
         """SIGTERM (app/server.py) or shutdown: readiness fails from now on; work already received goes on."""
@@ -77,10 +83,9 @@ def create_app(
     metrics_registry = Metrics(
         queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
         prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
-        generation_counts=lambda: (state.generator.waiting, state.generator.running) if state.generator else None,
+        generation_counts=lambda: (state.generator.waiting, state.generator.running) if state.engine else None,
     )
-
-    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)
+    starting: list[Engine] = []  # the engine while it warms up, so shutdown stops it even before it is ready
 
     async def bring_up() -> None:
         try:
@@ -95,9 +100,9 @@ def create_app(
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
                      dtype_name, model.load_seconds, model.vocab_size, model.max_length)
             metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
-            # One thread runs every model call, scoring batches and generation steps alike: two threads
-            # would run two torch thread teams on the same cores and interleave their work on the device.
-            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch, device=device)
+            engine = Engine(model, settings, on_batch=metrics_registry.observe_batch,
+                            on_tokens=metrics_registry.observe_generation)
+            starting.append(engine)
             try:
                 app.state.rerank = RerankPrompts.bind(resolve_format(settings.rerank_format, model.tokenizer),
                                                       model.tokenizer)
@@ -105,12 +110,8 @@ def create_app(
                 app.state.rerank = str(exc)
                 log.warning("reranking unavailable: %s", exc)
             started = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(device, engine.warm_up)
             engine.start()
-            generator = state.generator = Generator(model, settings, device=device,
-                                                    on_tokens=metrics_registry.observe_generation)
-            generator.start()
-            await generator.warm_up()
+            await engine.warm_up()
             state.engine = engine
             state.warmed = True
             state.ready = not state.draining
@@ -129,11 +130,8 @@ def create_app(
         finally:
             state.start_draining()
             bring_up_task.cancel()
-            if state.engine is not None:
-                await state.engine.stop()
-            if state.generator is not None:
-                await state.generator.stop()
-            device.shutdown(wait=True)
+            for engine in starting:
+                await engine.stop()
 
     app = FastAPI(
         title="genscore",
@@ -152,13 +150,6 @@ def create_app(
     install_access_control(app, settings)
     # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
     app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
-    app.include_router(health.router)
-    app.include_router(score.router)
-    app.include_router(metrics.router)
-    app.include_router(completions.router)
-    app.include_router(chat.router)
-    app.include_router(tokenize.router)
-    app.include_router(sglang.router)
-    app.include_router(generative_scoring.router)
-    app.include_router(rerank.router)
+    for routes in (health, score, openai, tokenize, sglang, vllm, rerank):
+        app.include_router(routes.router)
     return app

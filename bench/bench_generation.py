@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from app.generation import GenerationParams, Generator
+from app.engine.generation import Generator
+from app.engine.work import GenerationParams
 from app.settings import Settings
 from models import load_model
 from sampler import SamplingParams

@@ -12,8 +12,9 @@ import random
 import statistics
 import time
 
-from app.engine import Engine
-from app.schemas import ScoreRequest
+from app.api.score import serving
+from app.api.score.protocol import ScoreRequest
+from app.engine.core import Engine
 from app.settings import Settings
 from models import load_model
 
@@ -36,7 +37,7 @@ async def run(engine: Engine, request: ScoreRequest, repeats: int) -> tuple[floa
     times, out = [], None
     for _ in range(repeats):
         started = time.perf_counter()
-        out = await engine.score(request)
+        out = await serving.score(engine, request)
         times.append(time.perf_counter() - started)
     return statistics.median(times), out["usage"], [d["label_logprobs"] for d in out["data"]]
 
@@ -61,11 +62,11 @@ async def main(args: argparse.Namespace) -> None:
         for name, overrides in variants.items():
             settings = Settings(model=args.model, max_batch_size=args.max_batch_size, **overrides)
             engine = Engine(loaded, settings)
-            engine.warm_up()
             engine.start()
+            await engine.warm_up()
             try:
                 if name.endswith("(repeat)"):
-                    await engine.score(request)  # fills the cache; the timed requests reuse it
+                    await serving.score(engine, request)  # fills the cache; the timed requests reuse it
                 wall, usage, values = await run(engine, request, args.repeats)
                 stats = engine.prefix_cache.stats
             finally:

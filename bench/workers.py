@@ -61,8 +61,9 @@ def naive(spec: dict) -> dict:
 
 def engine(spec: dict) -> dict:
     """genscore's Engine in this process, no HTTP: the same batcher, forward pass and response building."""
-    from app.engine import Engine
-    from app.schemas import ScoreRequest
+    from app.api.score import serving
+    from app.api.score.protocol import ScoreRequest
+    from app.engine.core import Engine
     from app.settings import Settings
     from models import load_model
 
@@ -73,11 +74,11 @@ def engine(spec: dict) -> dict:
 
     async def main() -> dict:
         eng = Engine(loaded, settings)
-        eng.warm_up()
         eng.start()
+        await eng.warm_up()
 
         async def call(request: dict):
-            response = await eng.score(ScoreRequest(**request["body"]))
+            response = await serving.score(eng, ScoreRequest(**request["body"]))
             return [row["label_logprobs"] for row in response["data"]]
 
         runs: dict = {}

@@ -417,7 +417,7 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(client, monkeypat
     def broken_decode_step(model, batch, next_tokens):
         raise RuntimeError("simulated model failure")
 
-    monkeypatch.setattr("app.generation.decode_step", broken_decode_step)
+    monkeypatch.setattr("app.engine.generation.decode_step", broken_decode_step)
     response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     assert response.status_code == 500
     assert response.json()["error"] == {"message": "the model failed while generating",
@@ -434,16 +434,16 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(client, monkeypat
 def test_a_dead_generation_loop_fails_liveness_and_waiting_callers(tiny_loaded):
     with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as client:
         wait_ready(client)
-        generator = client.app.state.lifecycle.generator
-        client.portal.call(_kill_loop, generator)
+        engine = client.app.state.lifecycle.engine  # one loop drives scoring and generation
+        client.portal.call(_kill_loop, engine)
         health = client.get("/health")
-        assert health.status_code == 503 and health.json()["error"]["message"] == "the generation loop died"
+        assert health.status_code == 503 and "generation) died" in health.json()["error"]["message"]
         response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert response.status_code == 503
 
 
-async def _kill_loop(generator):
-    generator._task.cancel()
+async def _kill_loop(engine):
+    engine._task.cancel()
     await asyncio.sleep(0)
     await asyncio.sleep(0)
 

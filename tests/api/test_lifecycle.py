@@ -47,7 +47,7 @@ def test_dead_batcher_loop_fails_health(tiny_loaded):
     with TestClient(create_app(tiny_settings(), loaded=tiny_loaded)) as client:
         wait_ready(client)
         engine = client.app.state.lifecycle.engine
-        client.portal.call(engine.batcher._task.cancel)  # as if a bug ended the loop
+        client.portal.call(engine._task.cancel)  # as if a bug ended the loop
         deadline = time.monotonic() + 5
         while client.get("/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.01)

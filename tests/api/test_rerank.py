@@ -138,7 +138,7 @@ def test_label_words_of_several_tokens_leave_the_other_routes_serving(tiny_loade
 def test_qwen3_reranker_pieces_tokenize_as_the_model_card_does(tiny_loaded):
     """The card tokenizes its prefix, the whole `<Instruct>: ... <Document>: doc` turn, and its suffix; the shared
     head + document pieces must give the same ids."""
-    from app.rerank import DEFAULT_INSTRUCTION, RerankPrompts, resolve_format
+    from app.api.rerank.formats import DEFAULT_INSTRUCTION, RerankPrompts, resolve_format
 
     tokenizer = tiny_loaded.tokenizer
     fmt = resolve_format("qwen3-reranker", tokenizer)

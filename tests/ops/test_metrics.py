@@ -130,7 +130,7 @@ def test_waiting_and_running_gauges_follow_the_queue(server):
     assert idle.value("genscore_requests_waiting") == 0 and idle.value("genscore_requests_running") == 0
     gate = threading.Event()
     # The engine's worker is one thread: a job that waits on the gate keeps every forward pass behind it.
-    blocker = engine._executor.submit(gate.wait, 30)
+    blocker = engine.device.submit(gate.wait, 30)
     body = {"query": "Paris is the capital of", "items": [" France", " Germany"], "label_token_ids": [5]}
     n_requests = 5  # 10 sequences; the first batch (one or two requests' worth) runs, the rest wait behind it
     try:

@@ -10,9 +10,9 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from app.edge.observability import request_id_var
 from app.logs import JsonFormatter, RequestIdFilter, TextFormatter, configure_logging
 from app.main import create_app
-from app.middleware import request_id_var
 from tests.api.conftest import tiny_settings
 from tests.conftest import wait_ready
 

@@ -159,8 +159,8 @@ def test_a_generation_step_waits_for_the_scoring_pass_on_the_one_device_thread(t
                         "query": score_ids, "items": items, "label_token_ids": [0, 5, 100], "top_logprobs": 3}))
                     await async_wait_until(score_held.is_set, what="the scoring pass to reach the middle layer")
                     stream = asyncio.create_task(read_stream(client))
-                    # the prompt is admitted and its step handed to the device thread, which is busy scoring
-                    await async_wait_until(lambda: bool(generator._admitting), what="the generation step to start")
+                    # the prompt waits in the decode loop: the engine loop is busy with the scoring pass
+                    await async_wait_until(lambda: generator.waiting == 1, what="the prompt to queue")
                     assert entries == [21], entries  # nothing else has entered the model
                     go_score.set()
                     return await score, await stream

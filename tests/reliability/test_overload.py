@@ -163,14 +163,14 @@ def test_tokenizing_a_long_text_does_not_stall_probes(tiny_loaded):
     with serving(tiny_loaded) as (base_url, app):
         engine = app.state.lifecycle.engine
         entered, gate = threading.Event(), threading.Event()
-        original = engine.score_prompts
+        original = engine.prepare_score
 
         def held_tokenization(request):
             entered.set()
             gate.wait(30)  # on the event loop this would freeze the whole server
             return original(request)
 
-        engine.score_prompts = held_tokenization
+        engine.prepare_score = held_tokenization
 
         async def scenario():
             async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
@@ -185,6 +185,6 @@ def test_tokenizing_a_long_text_does_not_stall_probes(tiny_loaded):
             probes, scored = asyncio.run(asyncio.wait_for(scenario(), 30))
         finally:
             gate.set()
-            engine.score_prompts = original
+            engine.prepare_score = original
         assert probes == [200, 200]
         assert_error(scored, 400, "tokens")  # far longer than the model's 128 positions

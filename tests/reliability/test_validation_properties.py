@@ -8,7 +8,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.schemas import ScoreResponse
+from app.api.score.protocol import ScoreResponse
 
 VOCAB = 327  # the tiny Llama's vocabulary (checked below against the served model)
 MAX_TOP_LOGPROBS = 20  # the server default

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from app.batcher import Batcher, request_deadline
+from app.deadline import request_deadline
+from app.engine.batcher import Batcher
 from app.errors import DeadlineExceededError, EngineError, OverloadedError, ServiceUnavailableError
 from tests.gates import async_wait_until
 
@@ -46,7 +47,7 @@ async def queued(batcher: Batcher, units: int) -> None:
 
 
 class FakeClock:
-    """time.monotonic for app.batcher, moved by the test: deadlines pass when the test says so."""
+    """time.monotonic for the batcher and admission, moved by the test: deadlines pass when the test says so."""
 
     def __init__(self):
         self.now = 1000.0
@@ -228,7 +229,8 @@ async def test_deadline_passing_in_the_queue_is_504_and_the_work_never_runs():
 
 async def test_deadline_of_the_request_context_is_used_and_started_work_finishes(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr("app.batcher.time", clock)
+    monkeypatch.setattr("app.engine.batcher.time", clock)
+    monkeypatch.setattr("app.engine.admission.time", clock)
     gate = threading.Event()
     handler = Recorder(gate=gate)
     batcher = make(handler, max_wait_ms=0)

@@ -8,8 +8,10 @@ import contextlib
 
 import pytest
 
+from app.engine.generation import Generator
+from app.engine.results import ChoiceUpdate
+from app.engine.work import GenerationParams
 from app.errors import OverloadedError, ServiceUnavailableError
-from app.generation import ChoiceUpdate, GenerationParams, Generator
 from app.settings import Settings
 from sampler import SamplingParams
 from tests.gates import Step, StepGate, async_wait_until

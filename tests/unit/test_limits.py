@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from app.edge.limits import check_limit
 from app.errors import InvalidRequestError
-from app.limits import check_limit
 
 
 def test_within_the_limit_passes():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine import common_prefix_len
+from app.engine.scoring import common_prefix_len
 from models.prefix import PrefixCache, PrefixState
 
 

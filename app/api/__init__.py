@@ -1,0 +1,1 @@
+"""The HTTP API: one folder per endpoint family (protocol, serving, router); wire formats live here."""

@@ -1,0 +1,82 @@
+"""POST /v1/score: SGLang's scoring API, request and response as SGLang defines them, served by the genscore engine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.common import FastJSONResponse, ready_engine, usage
+from app.api.protocol import ErrorResponse, Flag, TokenId
+from app.api.score.serving import scores
+from app.engine.core import Engine
+from app.engine.work import ScoreQuery
+from app.errors import InvalidRequestError
+from sampler import LogprobsMode
+
+router = APIRouter()
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
+
+
+class SGLangScoringRequest(BaseModel):
+    """SGLang's ScoringRequest. Text query and items are joined as text and tokenized together, as SGLang does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="Must match the served model name when given.")
+    query: str | list[TokenId] = Field(description="Query text, or its token ids.")
+    items: str | list[str] | list[list[TokenId]] = Field(
+        description="One item, or a list of item texts, or of token-id lists (the same kind as the query)."
+    )
+    label_token_ids: list[TokenId] = Field(description="Token ids whose next-token probability is returned.")
+    apply_softmax: Flag = Field(default=False, description="Softmax over the labels instead of model probabilities.")
+    item_first: Flag = Field(default=False, description="Put each item before the query.")
+
+
+class SGLangUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class SGLangScoringResponse(BaseModel):
+    scores: list[list[float]] = Field(description="Per item, one probability per label, in label order.")
+    model: str
+    usage: SGLangUsage | None = None
+    object: Literal["scoring"] = "scoring"
+
+
+def to_query(request: SGLangScoringRequest) -> ScoreQuery:
+    """The same prompts SGLang builds, as an engine query in raw_logprobs mode."""
+    items = [request.items] if isinstance(request.items, str) else request.items
+    if isinstance(request.query, str) != isinstance(items[0], str):
+        raise InvalidRequestError("query and items must both be text or both be token ids", "items")
+    common = dict(model=request.model, label_token_ids=request.label_token_ids, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
+    if isinstance(request.query, str):
+        # SGLang concatenates the texts and tokenizes each whole prompt with the tokenizer's special tokens
+        texts = [item + request.query if request.item_first else request.query + item for item in items]
+        return ScoreQuery(query=[], items=texts, item_special_tokens=True, **common)
+    return ScoreQuery(query=request.query, items=items, item_first=request.item_first, **common)
+
+
+@router.post("/v1/score", response_model=SGLangScoringResponse, responses=_ERRORS, response_class=FastJSONResponse)
+async def sglang_score(request: SGLangScoringRequest, http_request: Request,
+                       engine: Engine = Depends(ready_engine)):
+    engine.checks.model(request.model)
+    if not request.items:  # SGLang answers an empty item list with no scores
+        scored, counts = [], {"prompt_tokens": 0, "total_tokens": 0}
+    else:
+        result = await engine.score(to_query(request))
+        scored = [scores(o.labels.label_values, request.apply_softmax, result.params) for o in result.outcomes]
+        counts = usage(result.prompt_tokens, result.cached_tokens)
+        http_request.app.state.metrics.observe_usage(counts)
+    return FastJSONResponse({
+        "scores": scored,
+        "model": engine.model_name,
+        "usage": {"prompt_tokens": counts["prompt_tokens"], "total_tokens": counts["total_tokens"],
+                  "completion_tokens": 0, "prompt_tokens_details": counts.get("prompt_tokens_details")},
+        "object": "scoring",
+    })

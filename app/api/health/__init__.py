@@ -1,0 +1,1 @@
+"""Probes, the model list and the metrics scrape."""

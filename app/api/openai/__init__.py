@@ -1,0 +1,1 @@
+"""/v1/completions and /v1/chat/completions: the OpenAI-compatible generation API."""

@@ -1,0 +1,42 @@
+"""POST /v1/completions (OpenAI's legacy Completions API) and /v1/chat/completions, and the dependency they share."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from app.api.common import FastJSONResponse, ready_engine
+from app.api.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
+from app.api.openai.serving import OpenAIServing
+from app.api.protocol import ErrorResponse
+from app.engine.core import Engine
+
+router = APIRouter()
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
+STREAM = {"content": {"text/event-stream": {}}, "description": "With `stream: true`: `data: {chunk}` events."}
+
+
+def ready_openai(request: Request) -> OpenAIServing:
+    """The serving logic over the ready engine, or 503; built once per engine."""
+    return openai_serving(request, ready_engine(request))
+
+
+def openai_serving(request: Request, engine: Engine) -> OpenAIServing:
+    serving = getattr(request.app.state, "openai_serving", None)
+    if serving is None or serving.engine is not engine:
+        serving = request.app.state.openai_serving = OpenAIServing(engine)
+    return serving
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, 200: STREAM},
+             response_class=FastJSONResponse)
+async def completions(request: CompletionRequest, serving: OpenAIServing = Depends(ready_openai)):
+    result = await serving.completion(request)
+    return result if not isinstance(result, dict) else FastJSONResponse(result)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, 200: STREAM},
+             response_class=FastJSONResponse)
+async def chat_completions(request: ChatCompletionRequest, serving: OpenAIServing = Depends(ready_openai)):
+    result = await serving.chat(request)
+    return result if not isinstance(result, dict) else FastJSONResponse(result)

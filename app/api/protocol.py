@@ -1,0 +1,73 @@
+"""What every endpoint family's protocol shares: strict field types (a JSON `true` is not a token id, NaN is not a
+number), the request base that rejects unknown fields, the processor fields, the model list and the error body."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
+
+TokenId = Annotated[int, Strict()]
+# ints are accepted as numbers, bools and strings are not; nor NaN/Infinity, which Python's JSON parser lets through
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+Flag = Annotated[bool, Strict()]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProcessorFields(StrictModel):
+    """Per-request logit processors; they shape the `processed_*` logprobs modes only."""
+
+    # a temperature below 0.01 (vLLM's floor too) or a bias beyond OpenAI's +-100 overflows float32
+    # logits into inf/NaN, which has no logprob; they are refused as 400 instead of failing in the batch.
+    temperature: Number | None = Field(default=None, ge=0.01, description="Divide logits by this (>= 0.01).")
+    top_k: TokenId | None = Field(default=None, ge=-1, description="Keep the k most likely tokens (0 or -1: off).")
+    top_p: Number | None = Field(default=None, gt=0, le=1, description="Keep the smallest set with this much mass.")
+    min_p: Number | None = Field(default=None, ge=0, le=1, description="Drop tokens below min_p x the top probability.")
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(
+        default=None, description="Token id (as a string key, like OpenAI) -> bias in [-100, 100] added to its logit."
+    )
+
+
+class FastPathCheck(BaseModel):
+    """One fast path's load-time self-check: on or off, its difference from the plain forward, why it is off."""
+
+    name: str
+    enabled: bool
+    difference: float | None
+    reason: str
+
+
+class FastPathReport(BaseModel):
+    """The load-time self-check of the fast paths against the model's plain transformers forward."""
+
+    tolerance: float | None
+    seconds: float
+    paths: list[FastPathCheck]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "genscore"
+    max_model_len: int
+    fast_paths: FastPathReport | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

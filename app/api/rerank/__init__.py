@@ -1,0 +1,1 @@
+"""/v1/rerank, /rerank and /v2/rerank: generative reranking."""

@@ -1,0 +1,1 @@
+"""/score: genscore's own scoring API."""

@@ -1,0 +1,75 @@
+"""Request and response models of POST /score."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from app.api.protocol import Flag, ProcessorFields, TokenId
+from sampler import LogprobsMode
+
+
+class ScoreRequest(ProcessorFields):
+    """POST /score: the logprob of each label token as the next token after the prompt (query + item)."""
+
+    model: str | None = Field(default=None, description="Must match the served model name when given.")
+    query: str | list[TokenId] = Field(description="Prompt text, or its token ids.")
+    items: list[str] | list[list[TokenId]] | None = Field(
+        default=None, description="Each item is appended to the query (or put before it with item_first)."
+    )
+    label_token_ids: list[TokenId] | None = Field(
+        default=None, description="Candidate next-token ids, each in [0, vocab). Give this or `candidates`."
+    )
+    candidates: list[str] | list[list[TokenId]] | None = Field(
+        default=None,
+        description="Multi-token continuations (text, tokenized without special tokens, or token ids); each is "
+        "scored by the sum of its tokens' conditional values after the prompt. Give this or `label_token_ids`.",
+    )
+    apply_softmax: Flag = Field(default=False, description="Normalize `scores` over the labels.")
+    item_first: Flag = Field(default=False, description="Put each item before the query instead of after it.")
+    logprobs_mode: LogprobsMode | None = Field(default=None, description="Default: the server's.")
+    top_logprobs: TokenId = Field(default=0, ge=0, description="Also return this many top tokens (capped).")
+    add_special_tokens: Flag = Field(default=True, description="Add the tokenizer's special tokens to the query.")
+    truncate_prompt_tokens: TokenId | None = Field(default=None, ge=1, description="Keep only the last N prompt tokens.")
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class ScoreData(BaseModel):
+    """One prompt's result: label fields with `label_token_ids`, candidate fields with `candidates`."""
+
+    index: int
+    scores: list[float] | None
+    label_logprobs: list[float] | None = None
+    label_ranks: list[int] | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    candidate_logprobs: list[float] | None = Field(
+        default=None, description="Per candidate: the sum of its tokens' values under the logprobs mode.")
+    candidate_token_logprobs: list[list[float]] | None = Field(
+        default=None, description="Per candidate: each token's value, conditioned on the prompt and the tokens before it.")
+    candidate_num_tokens: list[int] | None = Field(default=None, description="Per candidate: its token count.")
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens not recomputed: their key/value states were shared.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["score"] = "score"
+    created: int
+    model: str
+    logprobs_mode: LogprobsMode
+    data: list[ScoreData]
+    usage: Usage

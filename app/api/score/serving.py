@@ -1,0 +1,82 @@
+"""/score's serving: a ScoreRequest -> the engine's ScoreQuery -> ScoredPrompts -> the response body."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+from app.api.common import finite, softmax_over, usage
+from app.api.score.protocol import ScoreRequest
+from app.engine.core import Engine
+from app.engine.results import ScoredPrompts, ScoreOutcome
+from app.engine.token_strings import TokenStrings
+from app.engine.work import ScoreQuery
+from sampler import SamplingParams
+
+
+def to_query(request: ScoreRequest) -> ScoreQuery:
+    return ScoreQuery(
+        query=request.query, items=request.items, label_token_ids=request.label_token_ids,
+        candidates=request.candidates, item_first=request.item_first, add_special_tokens=request.add_special_tokens,
+        truncate_prompt_tokens=request.truncate_prompt_tokens, logprobs_mode=request.logprobs_mode,
+        top_logprobs=request.top_logprobs, temperature=request.temperature, top_k=request.top_k,
+        top_p=request.top_p, min_p=request.min_p, logit_bias=request.logit_bias, model=request.model)
+
+
+async def score(engine: Engine, request: ScoreRequest) -> dict:
+    """The /score response body of one request."""
+    return score_body(engine, request.apply_softmax, await engine.score(to_query(request)))
+
+
+def scores(values: list[float], apply_softmax: bool, params: SamplingParams) -> list[float] | None:
+    """Probabilities to report: softmax over the values, or their exp under a logprobs mode (None for logits)."""
+    if apply_softmax:
+        return softmax_over(values)
+    if params.logprobs_mode.is_logprobs:
+        return [math.exp(v) for v in values]
+    return None
+
+
+def score_body(engine: Engine, apply_softmax: bool, result: ScoredPrompts) -> dict:
+    params = result.params
+    if result.candidates:
+        data = [_candidate_entry(i, o, apply_softmax, params) for i, o in enumerate(result.outcomes)]
+    else:
+        data = [_label_entry(i, o, apply_softmax, params, engine.token_strings) for i, o in enumerate(result.outcomes)]
+    return {
+        "id": f"score-{uuid.uuid4().hex}",
+        "object": "score",
+        "created": int(time.time()),
+        "model": engine.model_name,
+        "logprobs_mode": params.logprobs_mode.value,
+        "data": data,
+        "usage": usage(result.prompt_tokens, result.cached_tokens),
+    }
+
+
+def _label_entry(index: int, outcome: ScoreOutcome, apply_softmax: bool, params: SamplingParams,
+                 token_strings: TokenStrings) -> dict:
+    row = outcome.labels
+    top = None
+    if params.top_logprobs:
+        top = [{"token_id": t, "token": token_strings.text(t), "logprob": finite(v)}
+               for t, v in zip(row.top_ids, row.top_values)]
+    return {
+        "index": index,
+        "label_logprobs": [finite(v) for v in row.label_values],
+        "scores": scores(row.label_values, apply_softmax, params),
+        "label_ranks": row.label_ranks,
+        "top_logprobs": top,
+    }
+
+
+def _candidate_entry(index: int, outcome: ScoreOutcome, apply_softmax: bool, params: SamplingParams) -> dict:
+    totals = [math.fsum(values) for values in outcome.candidate_values]  # a filtered (-inf) token gives -inf
+    return {
+        "index": index,
+        "candidate_logprobs": [finite(v) for v in totals],
+        "scores": scores(totals, apply_softmax, params),
+        "candidate_token_logprobs": [[finite(v) for v in values] for values in outcome.candidate_values],
+        "candidate_num_tokens": [len(values) for values in outcome.candidate_values],
+    }

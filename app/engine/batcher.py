@@ -1,0 +1,282 @@
+"""Dynamic batcher: bounded admission, one queue, one consumer task, a Future per unit of work; a failing batch is split until the failing unit stands alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from app.engine.admission import admit, deadline_error, time_left
+from app.engine.loop import ConsumerLoop
+from app.errors import EngineError, ServiceUnavailableError
+
+log = logging.getLogger("genscore.batcher")
+
+W = TypeVar("W")  # a unit of work, e.g. one sequence to score
+R = TypeVar("R")  # its result
+
+@dataclass(eq=False)
+class _Ticket:
+    """One submit() call: its units share a deadline (which stops applying once one of them starts) and a fate
+    (once one of them fails, the others are dropped: the caller is answered with that error)."""
+
+    deadline: float | None
+    started: bool = False
+    failed: bool = False
+
+    def expired(self, now: float) -> bool:
+        return not self.started and self.deadline is not None and now >= self.deadline
+
+
+@dataclass(eq=False)
+class _Pending(Generic[W]):
+    work: W
+    tokens: int
+    future: asyncio.Future
+    ticket: _Ticket
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one batch looked like, for metrics and logs."""
+
+    size: int
+    padded_tokens: int
+    queue_wait_s: float  # longest wait of a unit in this batch
+    compute_s: float
+
+
+class Batcher(ConsumerLoop, Generic[W, R]):
+    """Coalesce units of work from many callers into calls of `handler(list[W]) -> list[R]`.
+
+    Shaped like Ray Serve's batcher: one consumer task, a Future per unit; a cancelled caller's units are
+    dropped before they reach the handler. Admission is bounded: at most `max_queued_requests` callers wait at
+    once and the next one is refused at once (503 + Retry-After). A batch that raises is retried in halves, so
+    only a unit that fails on its own fails its caller (500) and every other caller gets its result. The handler
+    runs in `executor` so the event loop (probes, request parsing) stays responsive during a forward pass.
+    """
+
+    task_name = "genscore-batcher"
+
+    def __init__(
+        self,
+        handler: Callable[[list[W]], Sequence[R]],
+        *,
+        tokens_of: Callable[[W], int],
+        executor: Executor,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_wait_ms: float,
+        max_queued_requests: int = 1024,
+        retry_after_s: int = 1,
+        on_batch: Callable[[BatchStats], None] | None = None,
+        on_work: Callable[[], None] | None = None,
+    ):
+        self._handler = handler
+        self._tokens_of = tokens_of
+        self._executor = executor
+        self._max_batch_size = max_batch_size
+        self._max_batch_tokens = max_batch_tokens
+        self._max_wait_s = max_wait_ms / 1000.0
+        self._max_queued_requests = max_queued_requests
+        self._retry_after_s = retry_after_s
+        self._on_batch = on_batch
+        self.on_work = on_work  # told when work is queued (the engine core's wake-up)
+        self._queue: asyncio.Queue[_Pending[W]] = asyncio.Queue()
+        self._carry: _Pending[W] | None = None  # a unit that did not fit the last batch goes first next time
+        self._task: asyncio.Task | None = None
+        self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
+        self._admitted = 0  # submit() calls not yet answered
+
+    @property
+    def running(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize() + (self._carry is not None)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether units are queued (some may have been abandoned by their callers since)."""
+        return self._carry is not None or not self._queue.empty()
+
+    @property
+    def admitted(self) -> int:
+        """Requests (submit calls) queued or running now; never more than max_queued_requests."""
+        return self._admitted
+
+    # --- callers -------------------------------------------------------------------
+    async def submit(self, works: Sequence[W], deadline: float | None = None) -> list[R]:
+        """Queue `works` and wait for their results, in order.
+
+        Raises OverloadedError (503) at once when `max_queued_requests` callers are already waiting, and
+        DeadlineExceededError (504) when `deadline` (time.monotonic(); default: this request's
+        `request_deadline`) passes before any of the units has started. Cancelling the caller drops its
+        units that have not started.
+        """
+        if not self.alive:
+            raise ServiceUnavailableError("the batcher is not running")
+        deadline = admit(self._admitted, self._max_queued_requests, self._retry_after_s, "requests", deadline)
+        if not works:
+            return []
+        loop = asyncio.get_running_loop()
+        ticket = _Ticket(deadline)
+        pending = [_Pending(w, self._tokens_of(w), loop.create_future(), ticket) for w in works]
+        futures = [p.future for p in pending]
+        self._admitted += 1
+        try:
+            for p in pending:
+                self._queue.put_nowait(p)
+            if self.on_work is not None:
+                self.on_work()
+            _, not_done = await asyncio.wait(futures, timeout=time_left(deadline), return_when=asyncio.FIRST_EXCEPTION)
+            if not_done and not any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                # The deadline passed. Work that has started runs to the end; work that has not is dropped.
+                if not ticket.started:
+                    raise deadline_error()
+                await asyncio.wait(not_done, return_when=asyncio.FIRST_EXCEPTION)
+            return _results_in_order(futures)
+        finally:
+            self._admitted -= 1
+            for f in futures:
+                if not f.done():
+                    f.cancel()  # the consumer skips cancelled units; a unit being computed finishes unheard
+
+    # --- the consumer --------------------------------------------------------------
+    async def _next(self, timeout: float | None) -> _Pending[W] | None:
+        if self._carry is not None:
+            pending, self._carry = self._carry, None
+            return pending
+        if timeout is None:
+            return await self._queue.get()
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        if timeout <= 0:
+            return None
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._queue.get()
+        except TimeoutError:
+            return None
+
+    async def _collect(self, block: bool, max_tokens: int) -> list[_Pending[W]]:
+        """The first live unit (waiting for one if `block`, else [] when none is queued), then more until size,
+        `max_tokens` (padded tokens) or max wait closes the batch. The first unit is taken whatever its size."""
+        batch: list[_Pending[W]] = []
+        longest = 0
+        deadline = None
+        while len(batch) < self._max_batch_size:
+            if batch:
+                timeout = max(0.0, deadline - time.perf_counter())
+            else:
+                timeout = None if block else 0.0
+            pending = await self._next(timeout)
+            if pending is None:
+                break
+            if _abandoned(pending):  # caller went away (cancelled) or already failed while queued
+                continue
+            if pending.ticket.expired(time.monotonic()):
+                pending.future.set_exception(deadline_error())
+                continue
+            new_longest = max(longest, pending.tokens)
+            if batch and new_longest * (len(batch) + 1) > max_tokens:
+                self._carry = pending
+                break
+            pending.ticket.started = True
+            batch.append(pending)
+            longest = new_longest
+            if deadline is None:
+                deadline = time.perf_counter() + self._max_wait_s
+        return batch
+
+    async def run_once(self, block: bool = False, max_tokens: int | None = None) -> None:
+        """Collect one batch (under `max_tokens`, default max_batch_tokens) and compute it on the executor."""
+        batch = await self._collect(block, min(self._max_batch_tokens, max_tokens or self._max_batch_tokens))
+        # Not in a `finally`: if the loop itself is cancelled, fail_all must still see this batch.
+        self._inflight = batch
+        await self._run(batch)
+        self._inflight = []
+
+    async def _loop(self) -> None:
+        while True:
+            await self.run_once(block=True)
+
+    async def _run(self, batch: list[_Pending[W]]) -> None:
+        """Compute `batch`; when it raises, retry each half, so one bad unit (or an out-of-memory batch) only
+        fails the units that fail on their own."""
+        batch = [p for p in batch if not _abandoned(p)]
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._handler, [p.work for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"handler returned {len(results)} results for {len(batch)} units")
+        except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about it
+            if len(batch) > 1:
+                # Type only: the message of a model error can quote the input, and request content stays out of logs.
+                log.warning("batch of %d failed (%s); retrying it in halves", len(batch), type(exc).__name__)
+                half = len(batch) // 2
+                await self._run(batch[:half])
+                await self._run(batch[half:])
+                return
+            log.error("a unit of work failed on its own; its caller gets a 500", exc_info=exc)
+            batch[0].ticket.failed = True
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc if isinstance(exc, EngineError)
+                                              else EngineError("the model failed on this request"))
+            return
+        for p, result in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(result)
+        if self._on_batch is not None:
+            longest = max(p.tokens for p in batch)
+            stats = BatchStats(
+                size=len(batch),
+                padded_tokens=longest * len(batch),
+                queue_wait_s=started - min(p.enqueued_at for p in batch),
+                compute_s=time.perf_counter() - started,
+            )
+            try:
+                self._on_batch(stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
+                log.exception("on_batch callback failed")
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batcher loop died", exc_info=task.exception())
+        self.fail_all(ServiceUnavailableError("the batcher stopped"))
+
+    def fail_all(self, error: Exception) -> None:
+        """Whatever ended the loop, nobody may wait forever: fail every queued and running caller at once."""
+        stranded = self._inflight + ([self._carry] if self._carry else [])
+        self._inflight, self._carry = [], None
+        while not self._queue.empty():
+            stranded.append(self._queue.get_nowait())
+        for p in stranded:
+            if not p.future.done():
+                p.future.set_exception(error)
+
+
+def _abandoned(pending: _Pending) -> bool:
+    """Whether nobody waits for this unit any more; a unit whose request already failed is cancelled here."""
+    if pending.ticket.failed and not pending.future.done():
+        pending.future.cancel()
+    return pending.future.done()
+
+
+def _results_in_order(futures: list[asyncio.Future]) -> list:
+    """Every future's result, or the first error in submit order (the others' errors are read so asyncio does
+    not report them as never retrieved)."""
+    errors = [f.exception() for f in futures if f.done() and not f.cancelled()]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]

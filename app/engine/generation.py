@@ -1,0 +1,421 @@
+"""Text generation with continuous batching: a KV cache that sequences join and leave between decode steps; the
+sampler samples and gives every returned logprob. The engine core drives its steps on the device thread."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+import sampler
+from app.engine.admission import admit, deadline_error, time_left
+from app.engine.loop import ConsumerLoop
+from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
+from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
+from app.engine.work import GenerationParams
+from app.errors import EngineError, ServiceUnavailableError
+from app.settings import Settings
+from models import LoadedModel
+from models.decoding import DecodeBatch, decode_step, merge, prefill, select_rows
+from models.head import head_logits
+from sampler import SamplingParams
+
+log = logging.getLogger("genscore.generation")
+
+# prompt positions go through lm_head and the sampler this many at a time: [512, V] float32 is 100 MB at V = 49k
+_PROMPT_LOGPROBS_CHUNK = 512
+
+
+# --- state of the loop (touched by the worker thread during a step, by the event loop between steps) ---------------
+
+@dataclass(eq=False)
+class _Group:
+    """One prompt and its n choices."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    queue: asyncio.Queue
+    cancelled: bool = False
+    unfinished: int = 0
+
+
+@dataclass(eq=False)
+class _Choice:
+    group: _Group
+    index: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    next_token: int = -1  # sampled, not yet fed to the model
+    text: str = ""  # decoded output, stop string cut off
+    sent: int = 0  # characters of `text` already handed out
+
+
+_DONE = object()
+
+
+class Generator(ConsumerLoop):
+    """Owns the decode loop; `generate()` streams ChoiceUpdates for one prompt."""
+
+    task_name = "genscore-generation"
+
+    def __init__(self, loaded: LoadedModel, settings: Settings, device: ThreadPoolExecutor | None = None,
+                 on_tokens: Callable[[int, int], None] | None = None, on_work: Callable[[], None] | None = None):
+        self.loaded = loaded
+        self.max_batch_size = settings.max_batch_size
+        self.max_batch_tokens = settings.max_batch_tokens
+        self.max_cache_tokens = settings.max_cache_tokens
+        self.max_queued_requests = settings.max_queued_requests
+        self.retry_after_s = settings.retry_after_s
+        # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
+        self._tokenizer = copy.deepcopy(loaded.tokenizer)
+        self.stop_token_ids = frozenset(eos_ids(loaded))
+        # the app's one device thread (shared with the scoring batcher), or a thread of its own when alone
+        self._owns_device = device is None
+        self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
+        self._waiting: list[_Group] = []
+        self._admitting: list[_Group] = []  # taken from _waiting for the step in flight
+        self._batch: DecodeBatch | None = None  # rows of self._rows, in order
+        self._rows: list[_Choice] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0  # decode steps run (tests read it to see batching happen)
+        # told (prompt tokens prefilled, tokens generated) after each step for callers, warm-up excluded (metrics)
+        self._on_tokens = on_tokens
+        self._counting = False
+        self.on_work = on_work  # told when a prompt is queued (the engine core's wake-up)
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+    async def stop(self) -> None:
+        await super().stop()
+        if self._owns_device:
+            self._executor.shutdown(wait=True)
+
+    async def warm_up(self) -> None:
+        """Two greedy tokens with prompt logprobs: prefill, a decode step and the sampler, before the first caller."""
+        ids = self.loaded.tokenizer("warm up", add_special_tokens=True)["input_ids"] or [self.loaded.pad_token_id]
+        params = GenerationParams(max_tokens=2, sampling=SamplingParams(temperature=0.0), logprobs=1,
+                                  prompt_logprobs=True)
+        async for _ in self.generate(ids, params):
+            pass
+        self._counting = True
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: rows decoding or prompts waiting."""
+        return bool(self._rows or self._waiting)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Key/value slots the running rows may reach: rows x the longest final length (the cache is rectangular)."""
+        return len(self._rows) * max((self._final_length(c.group) for c in self._rows), default=0)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Prompts waiting for a place in the decode batch."""
+        return len(self._waiting)
+
+    # --- callers ---------------------------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
+        """Queue one prompt; yield its PromptLogprobs (when asked) then ChoiceUpdates until every choice finished.
+
+        Leaving the iteration early (or being cancelled) drops the prompt's choices from the batch.
+        """
+        if not self.alive:
+            raise ServiceUnavailableError("the generation loop is not running")
+        # a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
+        deadline = admit(len(self._waiting), self.max_queued_requests, self.retry_after_s, "prompts to generate")
+        group = _Group(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
+        self._waiting.append(group)
+        self._wake.set()
+        if self.on_work is not None:
+            self.on_work()
+        try:
+            while True:
+                if deadline is not None and group in self._waiting:  # not admitted yet: the deadline applies
+                    try:
+                        item = await asyncio.wait_for(group.queue.get(), time_left(deadline))
+                    except TimeoutError:
+                        if group in self._waiting:
+                            raise deadline_error() from None
+                        continue  # admitted just now: from here on it runs to the end
+                else:
+                    item = await group.queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            group.cancelled = True  # no-op when finished; otherwise the next step drops its rows
+            if group in self._waiting:
+                self._waiting.remove(group)
+
+    # --- the loop (event loop side) --------------------------------------------------------------------------------
+    def _final_length(self, group: _Group) -> int:
+        """The longest a row of this prompt can grow: prompt + max_tokens, within the model's length."""
+        return min(len(group.prompt_ids) + group.params.max_tokens, self.loaded.max_length)
+
+    def _admit(self) -> list[_Group]:
+        """Waiting prompts that fit: decode rows under max_batch_size, prefill under max_batch_tokens, cache under
+        max_cache_tokens. With nothing running, the first waiting prompt is always taken, however big.
+
+        The cache is rows x the batch's width, and the width grows by one every step, so a prompt is admitted only
+        if every row could reach its final length within max_cache_tokens: the budget holds at every step, not
+        only at admission."""
+        self._waiting = [g for g in self._waiting if not g.cancelled]
+        admitted: list[_Group] = []
+        rows = len(self._rows)
+        final = max((self._final_length(c.group) for c in self._rows), default=0)
+        longest = 0
+        for group in list(self._waiting):
+            new_longest = max(longest, len(group.prompt_ids))
+            new_rows = rows + group.params.n
+            new_final = max(final, self._final_length(group))
+            fits = (new_rows <= self.max_batch_size and new_longest * (len(admitted) + 1) <= self.max_batch_tokens
+                    and new_rows * new_final <= self.max_cache_tokens)
+            if not fits and (admitted or self._rows):
+                break  # first come, first served: nobody overtakes the head of the queue
+            admitted.append(group)
+            self._waiting.remove(group)
+            rows, longest, final = new_rows, new_longest, new_final
+        return admitted
+
+    async def run_once(self) -> None:
+        """Admit what fits, then one step on the executor: prefill of the admitted prompts + one decode step."""
+        admitted = self._admit()
+        self._admitting = admitted  # not yet in _rows: if the loop dies now, these callers must hear it too
+        try:
+            events = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, admitted)
+        except Exception:  # noqa: BLE001 - every caller in the batch must hear about it
+            log.exception("generation step failed")
+            for group in {c.group for c in self._rows} | set(admitted):
+                group.queue.put_nowait(EngineError("the model failed while generating"))
+            self._rows, self._batch, self._admitting = [], None, []
+            return
+        self._admitting = []
+        for group, event in events:
+            group.queue.put_nowait(event)
+        if self._on_tokens is not None and self._counting:
+            generated = sum(len(e.token_ids) for _, e in events if isinstance(e, ChoiceUpdate))
+            self._on_tokens(sum(len(g.prompt_ids) for g in admitted), generated)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            await self.run_once()
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("generation loop died", exc_info=task.exception())
+        self.fail_all(ServiceUnavailableError("the generation loop stopped"))
+
+    def fail_all(self, error: Exception) -> None:
+        """Whatever ended the loop, nobody may wait forever: every waiting and running prompt gets `error`."""
+        for group in {c.group for c in self._rows} | set(self._waiting) | set(self._admitting):
+            group.queue.put_nowait(error)
+        self._rows, self._batch, self._waiting, self._admitting = [], None, [], []
+
+    # --- one step (worker thread) ----------------------------------------------------------------------------------
+    def _step(self, admitted: list[_Group]) -> list[tuple[_Group, object]]:
+        """Drop cancelled rows, prefill the admitted prompts, then one decode step for every running row."""
+        events: list[tuple[_Group, object]] = []
+        keep = [i for i, c in enumerate(self._rows) if not c.group.cancelled]
+        if len(keep) != len(self._rows):
+            self._keep_rows(keep)
+        if admitted:
+            self._prefill_isolated(admitted, events)
+        if self._rows:
+            self._decode(events)
+        return events
+
+    def _prefill_isolated(self, groups: list[_Group], events: list) -> None:
+        """Prefill the admitted prompts together; if that fails, split them, so only a prompt that fails on its own
+        gets an error and neither the other newcomers nor the rows already decoding are touched."""
+        staged: list[tuple[_Group, object]] = []  # nothing is reported for an attempt that fails part-way
+        try:
+            self._prefill(groups, staged)
+        except Exception:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
+            if len(groups) == 1:
+                log.exception("prefill failed for one prompt")
+                events.append((groups[0], EngineError("the model failed on this prompt")))
+                return
+            log.warning("prefill of %d prompts failed; retrying them in halves", len(groups), exc_info=True)
+            half = len(groups) // 2
+            self._prefill_isolated(groups[:half], events)
+            self._prefill_isolated(groups[half:], events)
+            return
+        events += staged
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        self._batch = select_rows(self._batch, keep) if keep else None
+
+    @torch.inference_mode()
+    def _prefill(self, groups: list[_Group], events: list) -> None:
+        model, device = self.loaded.model, self.loaded.device
+        hidden, batch = prefill(model, [g.prompt_ids for g in groups], self.loaded.pad_token_id)  # [b, T, H]
+        width = hidden.shape[1]
+        last_logits = head_logits(model, hidden[:, -1, :])  # [b, V]
+        new_rows: list[int] = []  # batch row of each new choice
+        new_choices: list[_Choice] = []
+        for row, group in enumerate(groups):
+            params = group.params
+            if params.prompt_logprobs:
+                start = width - len(group.prompt_ids)
+                events.append((group, PromptLogprobs(self._prompt_logprobs(hidden[row, start:], group))))
+            if params.max_tokens == 0:
+                group.unfinished = 0
+                for index in range(params.n):
+                    events.append((group, ChoiceUpdate(index, [], "", [] if params.logprobs is not None else None,
+                                                       "length")))
+                events.append((group, _DONE))
+                continue
+            for index in range(params.n):
+                new_choices.append(_Choice(group, index, seeded_generator(params.seed, index, device)))
+                new_rows.append(row)
+        if not new_choices:
+            return
+        logits = last_logits.index_select(0, torch.tensor(new_rows, device=last_logits.device))  # [c, V]
+        still_running = self._sample_and_report(new_choices, logits, events)
+        if not still_running:
+            return
+        joined = select_rows(batch, [new_rows[i] for i in still_running])
+        merged = merge(self._batch, joined)  # before touching self._rows: a failure here must leave them consistent
+        self._rows += [new_choices[i] for i in still_running]
+        self._batch = merged
+
+    def _decode(self, events: list) -> None:
+        """One decode step for every running row; a failing step is retried in halves until the failing row stands
+        alone, so only its caller gets an error and every other row decodes on."""
+        survivors = self._decode_isolated(self._rows, self._batch, events)
+        self._rows = [choice for rows, _ in survivors for choice in rows]
+        self._batch = None
+        for _, batch in survivors:
+            self._batch = merge(self._batch, batch)  # rows in the same order as self._rows
+
+    @torch.inference_mode()
+    def _decode_isolated(self, rows: list[_Choice], batch: DecodeBatch, events: list
+                         ) -> list[tuple[list[_Choice], DecodeBatch]]:
+        """Decode `rows` (the rows of `batch`, in order); returns the (rows, batch) pieces still running."""
+        width = batch.width
+        next_tokens = torch.tensor([c.next_token for c in rows], dtype=torch.long)  # [B]
+        try:
+            logits = decode_step(self.loaded.model, batch, next_tokens)  # [B, V]
+        except Exception:  # noqa: BLE001 - only the row that fails on its own may fail its caller
+            _drop_partial_step(batch, width)
+            if len(rows) == 1:
+                log.exception("decode step failed for one row")
+                events.append((rows[0].group, EngineError("the model failed while generating")))
+                return []
+            log.warning("decode step of %d rows failed; retrying them in halves", len(rows), exc_info=True)
+            half = len(rows) // 2
+            return (self._decode_isolated(rows[:half], select_rows(batch, range(half)), events)
+                    + self._decode_isolated(rows[half:], select_rows(batch, range(half, len(rows))), events))
+        self.steps += 1
+        running = self._sample_and_report(rows, logits, events)
+        if not running:
+            return []
+        if len(running) != len(rows):
+            rows, batch = [rows[i] for i in running], select_rows(batch, running)
+        return [(rows, batch)]
+
+    def _sample_and_report(self, choices: list[_Choice], logits: torch.Tensor, events: list) -> list[int]:
+        """Sample one token per choice from logits [c, V], report it, and return the indices still running."""
+        params = [c.group.params for c in choices]
+        processed = self._penalized(logits, choices)  # [c, V]; the same tensor when no row has penalties
+        tokens = sampler.sample(processed, [p.sampling for p in params], [c.generator for c in choices]).tolist()
+        with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: dict[int, PositionLogprobs] = {}
+        if with_logprobs:
+            # raw modes read the model's logits, processed modes the penalized ones the token was drawn from
+            source = torch.stack([(processed if params[i].sampling.logprobs_mode.is_processed else logits)[i]
+                                  for i in with_logprobs])  # [r, V]
+            asked = [position_params(params[i], tokens[i]) for i in with_logprobs]
+            for i, position in zip(with_logprobs, score_positions(source, asked)):
+                logprobs[i] = position
+        running = []
+        for i, (choice, token) in enumerate(zip(choices, tokens)):
+            finish = self._advance(choice, token)
+            text = choice.text
+            if finish is None:
+                end = len(text) - held_back(text, choice.group.params.stop)
+            else:
+                end = len(text)
+            delta = text[choice.sent:end] if end > choice.sent else ""
+            choice.sent = max(choice.sent, end)
+            update = ChoiceUpdate(choice.index, [token], delta, [logprobs[i]] if i in logprobs else None, finish)
+            events.append((choice.group, update))
+            if finish is None:
+                running.append(i)
+            else:
+                choice.group.unfinished -= 1
+                if choice.group.unfinished == 0:
+                    events.append((choice.group, _DONE))
+        return running
+
+    def _advance(self, choice: _Choice, token: int) -> str | None:
+        """Append a sampled token; return the finish reason when the choice is done."""
+        params = choice.group.params
+        choice.output_ids.append(token)
+        choice.next_token = token
+        stopped_by_token = token in self.stop_token_ids
+        text_ids = choice.output_ids[:-1] if stopped_by_token else choice.output_ids
+        text = self._tokenizer.decode(text_ids, skip_special_tokens=True)
+        if params.stop:
+            # a stop string can only have appeared where the text changed (its start may reach back into old text)
+            search_from = max(0, len(choice.text) - max(len(s) for s in params.stop))
+            hits = [pos for pos in (text.find(s, search_from) for s in params.stop) if pos >= 0]
+            if hits:
+                choice.text = text[:min(hits)]
+                return "stop"
+        choice.text = text
+        if stopped_by_token:
+            return "stop"
+        if len(choice.output_ids) >= params.max_tokens:
+            return "length"
+        if len(choice.group.prompt_ids) + len(choice.output_ids) >= self.loaded.max_length:
+            return "length"
+        return None
+
+    def _penalized(self, logits: torch.Tensor, choices: list[_Choice]) -> torch.Tensor:
+        """Presence and frequency penalties over each choice's generated tokens (OpenAI's definition)."""
+        rows = [i for i, c in enumerate(choices) if c.group.params.penalized and c.output_ids]
+        if not rows:
+            return logits
+        out = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            p = choices[i].group.params
+            counts = torch.bincount(torch.tensor(choices[i].output_ids, device=logits.device), minlength=vocab)[:vocab]
+            out[i] -= counts.to(out.dtype) * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, group: _Group) -> list[PositionLogprobs | None]:
+        """hidden [L, H] of one prompt -> the logprob of tokens 1..L-1, each read from the position before it."""
+        ids = group.prompt_ids
+        positions: list[PositionLogprobs | None] = [None]
+        for start in range(0, len(ids) - 1, _PROMPT_LOGPROBS_CHUNK):
+            stop = min(start + _PROMPT_LOGPROBS_CHUNK, len(ids) - 1)
+            logits = head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
+            asked = [position_params(group.params, ids[j + 1]) for j in range(start, stop)]
+            positions += score_positions(logits, asked)
+        return positions
+
+
+def _drop_partial_step(batch: DecodeBatch, width: int) -> None:
+    """After a failed decode step: cut the column that the layers it reached appended, so every layer holds `width`
+    columns again (the attention mask grows only when a step succeeds)."""
+    for layer in batch.cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > width:
+            layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]

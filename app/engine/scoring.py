@@ -1,0 +1,170 @@
+"""Scoring on the device: a batch of ScoreWork -> packed forward passes (shared prefixes once, or from the cache) ->
+the sampler -> one ScoreOutcome per unit. Runs on the engine's device thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+import sampler
+from app.engine.results import ScoreOutcome
+from app.engine.work import ScoreWork
+from models import LoadedModel, forward_logits
+from models.head import head_logits
+from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill
+from sampler import SamplingParams
+
+
+class _Row(NamedTuple):
+    """One sequence of a batch: which work it serves, its tokens, where its shared prefix ends, positions kept."""
+
+    work: int
+    tokens: list[int]
+    split: int  # tokens[:split] is the shared prefix (0: none)
+    keep: int  # logits of the last `keep` positions are needed
+    candidate: tuple[int, ...]  # for a candidate row, the tokens those positions predict; () for a label row
+
+
+def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest token prefix every prompt starts with."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for other in prompts[1:]:
+        i = 0
+        while i < n and other[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+# logits rows projected through lm_head at a time when reading candidate tokens: bounds [N, V] memory
+_CANDIDATE_ROWS_PER_CHUNK = 256
+
+
+class Scorer:
+    """Runs scoring batches over one loaded model, with the prefix cache of the key/value states it shares."""
+
+    def __init__(self, loaded: LoadedModel, share_prefixes: bool, prefix_cache_bytes: int):
+        self.loaded = loaded
+        self.share_prefixes = share_prefixes and loaded.shares_prefixes
+        self.prefix_cache = PrefixCache(prefix_cache_bytes if self.share_prefixes else 0)
+
+    def warm_up(self) -> None:
+        """Real batches through the same paths requests take, so the first caller does not pay for lazy init."""
+        ids = self.loaded.tokenizer("warm up", add_special_tokens=True)["input_ids"] or [self.loaded.pad_token_id]
+        self.run_batch([ScoreWork(ids, SamplingParams(label_token_ids=(0,), top_logprobs=1))] * 2)
+        if self.share_prefixes:
+            self.run_batch([ScoreWork(ids + [0], SamplingParams(), len(ids), ((0, 0),))] * 2)
+            self.prefix_cache = PrefixCache(self.prefix_cache.stats.capacity_bytes)  # start serving empty, counters at 0
+
+    # --- the batch handler (runs on the worker thread) -------------------------------
+    def run_batch(self, works: list[ScoreWork]) -> list[ScoreOutcome]:
+        """Every unit's sequences in as few passes as memory allows; shared prefixes run once (or come from the cache)."""
+        reused = [0] * len(works)
+        states = self._prefix_states(works, reused)
+        rows: list[_Row] = []
+        for i, work in enumerate(works):
+            split = work.shared_prefix_len if states else 0
+            if work.candidates:
+                # the candidate's last token is only predicted, never fed
+                rows += [_Row(i, work.token_ids + list(c[:-1]), split, len(c), c) for c in work.candidates]
+            else:
+                rows.append(_Row(i, work.token_ids, split, 1, ()))
+
+        label_logits: dict[int, torch.Tensor] = {}  # work -> [V]
+        candidate_values: dict[int, list[list[float]]] = {i: [] for i, w in enumerate(works) if w.candidates}
+        for chunk in self._chunks(rows):
+            logits = self._kept_logits(chunk, states)  # [sum of keep, V], row after row
+            positions, params, targets = [], [], []  # the candidate positions of this chunk
+            offset = 0
+            for row in chunk:
+                work = works[row.work]
+                if row.candidate:
+                    # position j of a candidate row predicts the candidate's token j
+                    positions.extend(range(offset, offset + row.keep))
+                    params.extend([work.params] * row.keep)
+                    targets.extend(row.candidate)
+                else:
+                    label_logits[row.work] = logits[offset]
+                offset += row.keep
+            if positions:
+                snap = sampler.snapshot(logits[positions], params)  # [n, V], each row under its own mode
+                index = torch.tensor(targets, dtype=torch.long, device=snap.device)[:, None]
+                values = snap.gather(1, index)[:, 0].tolist()  # [n]
+                at = 0
+                for row in chunk:
+                    if row.candidate:
+                        candidate_values[row.work].append(values[at : at + row.keep])
+                        at += row.keep
+
+        labels: dict[int, sampler.RowScores] = {}
+        if label_logits:
+            order = sorted(label_logits)
+            params = [works[i].params for i in order]
+            scored = sampler.to_rows(sampler.score(torch.stack([label_logits[i] for i in order]), params), params)
+            labels = dict(zip(order, scored))
+        return [ScoreOutcome(labels.get(i), candidate_values.get(i), reused[i]) for i in range(len(works))]
+
+    def _prefix_states(self, works: list[ScoreWork], reused: list[int]) -> dict[tuple[int, ...], PrefixState]:
+        """Key/value states of every shared prefix in the batch: from the cache, else one prefill for all missing."""
+        if not self.share_prefixes:
+            return {}
+        states: dict[tuple[int, ...], PrefixState] = {}
+        missing: list[tuple[int, ...]] = []
+        for i, work in enumerate(works):
+            if work.shared_prefix_len <= 0:
+                continue
+            key = tuple(work.token_ids[: work.shared_prefix_len])
+            if key in states or key in missing:
+                reused[i] = len(key)  # another unit of this batch computes or fetched it
+                continue
+            state = self.prefix_cache.get(key)
+            if state is None:
+                missing.append(key)  # this unit pays for it
+            else:
+                states[key] = state
+                reused[i] = len(key)
+        if missing:
+            for state in prefill(self.loaded.model, missing, self.loaded.pad_token_id):
+                states[state.tokens] = state
+                self.prefix_cache.put(state)
+        return states
+
+    @staticmethod
+    def _chunks(rows: list[_Row]):
+        """Consecutive rows whose kept positions fit one lm_head projection (a label row keeps one)."""
+        chunk: list[_Row] = []
+        kept = 0
+        for row in rows:
+            if chunk and kept + row.keep > _CANDIDATE_ROWS_PER_CHUNK:
+                yield chunk
+                chunk, kept = [], 0
+            chunk.append(row)
+            kept += row.keep
+        if chunk:
+            yield chunk
+
+    def _kept_logits(self, rows: list[_Row], states: dict[tuple[int, ...], PrefixState]) -> torch.Tensor:
+        """float32 logits of each row's kept positions, row after row: [sum of keep, V].
+
+        Rows without a shared prefix take the plain padded pass; the others run over their prefix's states.
+        """
+        model, pad = self.loaded.model, self.loaded.pad_token_id
+        parts: list[torch.Tensor | None] = [None] * len(rows)
+        plain = [i for i, r in enumerate(rows) if r.split == 0]
+        shared = [i for i, r in enumerate(rows) if r.split > 0]
+        if plain:
+            keep = [rows[i].keep for i in plain]
+            logits = forward_logits(model, [rows[i].tokens for i in plain], pad, keep_last=keep)
+            for i, block in zip(plain, logits.split(keep)):
+                parts[i] = block
+        if shared:
+            keep = [rows[i].keep for i in shared]
+            suffix_rows = [SuffixRow(states[tuple(rows[i].tokens[: rows[i].split])], tuple(rows[i].tokens[rows[i].split :]),
+                                     rows[i].keep) for i in shared]
+            logits = head_logits(model, forward_suffixes(model, suffix_rows, pad))
+            for i, block in zip(shared, logits.split(keep)):
+                parts[i] = block
+        return torch.cat(parts)
