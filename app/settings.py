@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # --- OpenAI completions, chat and generation ---
     max_choices: int = Field(default=128, ge=1)
     """Most choices (prompts x n) in one /v1/completions or /v1/chat/completions request."""
+    max_rows_per_request: int = Field(default=16, ge=1)
+    """Most decoding rows one prompt holds at once: the rest of its `n` choices wait for its rows to finish, so one
+    request with a large `n` cannot take every row of the decode batch while other callers wait."""
     max_cache_tokens: int = Field(default=65536, ge=1)
     """Most KV-cache slots (decoding sequences x padded length) before new generation requests wait their turn."""
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +44,16 @@ class _Group:
     queue: asyncio.Queue
     cancelled: bool = False
     unfinished: int = 0
+    started: int = 0  # choices admitted so far; the prompt waits until all n have been
+
+
+class _Admission(NamedTuple):
+    """Choices first .. first + count - 1 of a prompt, admitted in one step (a prompt's n choices can be admitted
+    over several steps, as rows and memory free up)."""
+
+    group: _Group
+    first: int
+    count: int
 
 
 @dataclass(eq=False)
@@ -69,6 +81,10 @@ class Generator(ConsumerLoop):
         self.max_batch_size = settings.max_batch_size
         self.max_batch_tokens = settings.max_batch_tokens
         self.max_cache_tokens = settings.max_cache_tokens
+        self.max_rows_per_request = settings.max_rows_per_request
+        # Whether `rows` decoding rows of final length `final` fit the memory budget while a prefill of
+        # `prefill_rows` x `prefill_width` runs (the engine core sets it; alone, only max_cache_tokens bounds it).
+        self.fits_memory: Callable[[int, int, int, int], bool] = lambda rows, final, prefill_rows, width: True
         self.max_queued_requests = settings.max_queued_requests
         self.retry_after_s = settings.retry_after_s
         # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
@@ -78,7 +94,7 @@ class Generator(ConsumerLoop):
         self._owns_device = device is None
         self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
         self._waiting: list[_Group] = []
-        self._admitting: list[_Group] = []  # taken from _waiting for the step in flight
+        self._admitting: list[_Admission] = []  # admitted for the step in flight
         self._batch: DecodeBatch | None = None  # rows of self._rows, in order
         self._rows: list[_Choice] = []
         self._wake = asyncio.Event()
@@ -140,11 +156,11 @@ class Generator(ConsumerLoop):
             self.on_work()
         try:
             while True:
-                if deadline is not None and group in self._waiting:  # not admitted yet: the deadline applies
+                if deadline is not None and group.started == 0:  # not admitted yet: the deadline applies
                     try:
                         item = await asyncio.wait_for(group.queue.get(), time_left(deadline))
                     except TimeoutError:
-                        if group in self._waiting:
+                        if group.started == 0:
                             raise deadline_error() from None
                         continue  # admitted just now: from here on it runs to the end
                 else:
@@ -164,30 +180,66 @@ class Generator(ConsumerLoop):
         """The longest a row of this prompt can grow: prompt + max_tokens, within the model's length."""
         return min(len(group.prompt_ids) + group.params.max_tokens, self.loaded.max_length)
 
-    def _admit(self) -> list[_Group]:
-        """Waiting prompts that fit: decode rows under max_batch_size, prefill under max_batch_tokens, cache under
-        max_cache_tokens. With nothing running, the first waiting prompt is always taken, however big.
+    def _admit(self) -> list[_Admission]:
+        """Choices of waiting prompts that fit, first come first served: decode rows under max_batch_size and
+        max_rows_per_request per prompt, the prefill under max_batch_tokens, the cache under max_cache_tokens and the
+        memory budget. A prompt's choices are admitted as far as they fit; the rest wait for rows to free up. With
+        nothing running, one choice of the first prompt is always taken, so a big request is never stuck.
 
-        The cache is rows x the batch's width, and the width grows by one every step, so a prompt is admitted only
-        if every row could reach its final length within max_cache_tokens: the budget holds at every step, not
-        only at admission."""
+        The cache is rows x the batch's width, and the width grows by one every step, so choices are admitted only
+        if every row could reach its final length within the budgets: they hold at every step, not only now."""
         self._waiting = [g for g in self._waiting if not g.cancelled]
-        admitted: list[_Group] = []
+        admitted: list[_Admission] = []
         rows = len(self._rows)
+        held = Counter(c.group for c in self._rows)  # rows each prompt holds now
         final = max((self._final_length(c.group) for c in self._rows), default=0)
         longest = 0
         for group in list(self._waiting):
             new_longest = max(longest, len(group.prompt_ids))
-            new_rows = rows + group.params.n
             new_final = max(final, self._final_length(group))
-            fits = (new_rows <= self.max_batch_size and new_longest * (len(admitted) + 1) <= self.max_batch_tokens
-                    and new_rows * new_final <= self.max_cache_tokens)
-            if not fits and (admitted or self._rows):
-                break  # first come, first served: nobody overtakes the head of the queue
-            admitted.append(group)
-            self._waiting.remove(group)
-            rows, longest, final = new_rows, new_longest, new_final
+            prefill_rows = len(admitted) + 1
+            remaining = group.params.n - group.started
+            forced = not admitted and not self._rows
+            if group.params.max_tokens == 0:  # answered by the prefill alone: no decode rows
+                if not forced and not self._fits(rows, final, prefill_rows, new_longest):
+                    break
+                count = remaining
+            else:
+                wanted = min(remaining, self.max_rows_per_request - held[group], self.max_batch_size - rows)
+                if wanted <= 0:
+                    if held[group]:
+                        continue  # at its share of rows: the prompts behind it may take the others
+                    break  # the batch is full
+                count = self._fitting(rows, wanted, new_final, prefill_rows, new_longest)
+                if count == 0:
+                    if not forced:
+                        break  # first come, first served: nobody overtakes the head of the queue
+                    count = 1
+            admitted.append(_Admission(group, group.started, count))
+            group.started += count
+            if group.started == group.params.n:
+                self._waiting.remove(group)
+            if group.params.max_tokens:
+                rows += count
+                held[group] += count
+                final = new_final
+            longest = new_longest
         return admitted
+
+    def _fits(self, rows: int, final: int, prefill_rows: int, longest: int) -> bool:
+        return (longest * prefill_rows <= self.max_batch_tokens and rows * final <= self.max_cache_tokens
+                and self.fits_memory(rows, final, prefill_rows, longest))
+
+    def _fitting(self, rows: int, wanted: int, final: int, prefill_rows: int, longest: int) -> int:
+        """The most of `wanted` new rows (0 when none) that fit beside `rows`, by bisection (fit is monotone)."""
+        low, high = 0, max(0, wanted)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._fits(rows + mid, final, prefill_rows, longest):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     async def run_once(self) -> None:
         """Admit what fits, then one step on the executor: prefill of the admitted prompts + one decode step."""
@@ -197,7 +249,7 @@ class Generator(ConsumerLoop):
             events = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, admitted)
         except Exception:  # noqa: BLE001 - every caller in the batch must hear about it
             log.exception("generation step failed")
-            for group in {c.group for c in self._rows} | set(admitted):
+            for group in {c.group for c in self._rows} | {a.group for a in admitted}:
                 group.queue.put_nowait(EngineError("the model failed while generating"))
             self._rows, self._batch, self._admitting = [], None, []
             return
@@ -206,7 +258,7 @@ class Generator(ConsumerLoop):
             group.queue.put_nowait(event)
         if self._on_tokens is not None and self._counting:
             generated = sum(len(e.token_ids) for _, e in events if isinstance(e, ChoiceUpdate))
-            self._on_tokens(sum(len(g.prompt_ids) for g in admitted), generated)
+            self._on_tokens(sum(len(a.group.prompt_ids) for a in admitted), generated)
 
     async def _loop(self) -> None:
         while True:
@@ -222,12 +274,12 @@ class Generator(ConsumerLoop):
 
     def fail_all(self, error: Exception) -> None:
         """Whatever ended the loop, nobody may wait forever: every waiting and running prompt gets `error`."""
-        for group in {c.group for c in self._rows} | set(self._waiting) | set(self._admitting):
+        for group in {c.group for c in self._rows} | set(self._waiting) | {a.group for a in self._admitting}:
             group.queue.put_nowait(error)
         self._rows, self._batch, self._waiting, self._admitting = [], None, [], []
 
     # --- one step (worker thread) ----------------------------------------------------------------------------------
-    def _step(self, admitted: list[_Group]) -> list[tuple[_Group, object]]:
+    def _step(self, admitted: list[_Admission]) -> list[tuple[_Group, object]]:
         """Drop cancelled rows, prefill the admitted prompts, then one decode step for every running row."""
         events: list[tuple[_Group, object]] = []
         keep = [i for i, c in enumerate(self._rows) if not c.group.cancelled]
@@ -239,7 +291,7 @@ class Generator(ConsumerLoop):
             self._decode(events)
         return events
 
-    def _prefill_isolated(self, groups: list[_Group], events: list) -> None:
+    def _prefill_isolated(self, groups: list[_Admission], events: list) -> None:
         """Prefill the admitted prompts together; if that fails, split them, so only a prompt that fails on its own
         gets an error and neither the other newcomers nor the rows already decoding are touched."""
         staged: list[tuple[_Group, object]] = []  # nothing is reported for an attempt that fails part-way
@@ -248,7 +300,7 @@ class Generator(ConsumerLoop):
         except Exception:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
             if len(groups) == 1:
                 log.exception("prefill failed for one prompt")
-                events.append((groups[0], EngineError("the model failed on this prompt")))
+                events.append((groups[0].group, EngineError("the model failed on this prompt")))
                 return
             log.warning("prefill of %d prompts failed; retrying them in halves", len(groups), exc_info=True)
             half = len(groups) // 2
@@ -262,16 +314,16 @@ class Generator(ConsumerLoop):
         self._batch = select_rows(self._batch, keep) if keep else None
 
     @torch.inference_mode()
-    def _prefill(self, groups: list[_Group], events: list) -> None:
+    def _prefill(self, admissions: list[_Admission], events: list) -> None:
         model, device = self.loaded.model, self.loaded.device
-        hidden, batch = prefill(model, [g.prompt_ids for g in groups], self.loaded.pad_token_id)  # [b, T, H]
+        hidden, batch = prefill(model, [a.group.prompt_ids for a in admissions], self.loaded.pad_token_id)  # [b, T, H]
         width = hidden.shape[1]
         last_logits = head_logits(model, hidden[:, -1, :])  # [b, V]
         new_rows: list[int] = []  # batch row of each new choice
         new_choices: list[_Choice] = []
-        for row, group in enumerate(groups):
+        for row, (group, first, count) in enumerate(admissions):
             params = group.params
-            if params.prompt_logprobs:
+            if params.prompt_logprobs and first == 0:  # once per prompt, with its first choices
                 start = width - len(group.prompt_ids)
                 events.append((group, PromptLogprobs(self._prompt_logprobs(hidden[row, start:], group))))
             if params.max_tokens == 0:
@@ -281,7 +333,7 @@ class Generator(ConsumerLoop):
                                                        "length")))
                 events.append((group, _DONE))
                 continue
-            for index in range(params.n):
+            for index in range(first, first + count):
                 new_choices.append(_Choice(group, index, seeded_generator(params.seed, index, device)))
                 new_rows.append(row)
         if not new_choices:

@@ -167,3 +167,40 @@ def test_generation_batch_width_is_what_decode_steps_feed(tiny_loaded):
                           timeout=30).status_code == 200
         del generator._step
     assert seen and all(a == b for a, b in seen), seen
+
+
+def test_one_request_with_a_large_n_holds_at_most_its_share_of_rows(tiny_loaded):
+    """With max_rows_per_request = 2, a request with n = 6 decodes two rows at a time, and a request sent while it
+    runs joins the batch at once instead of waiting for all six choices to finish."""
+    with serving(tiny_loaded, max_rows_per_request=2, max_batch_size=8) as (base_url, app):
+        generator = app.state.lifecycle.generator
+        big = completion([5, 6, 7, 8], max_tokens=12, n=6, temperature=1.0, seed=7)
+        small = completion([30, 31], max_tokens=3)
+        alone = httpx.post(f"{base_url}/v1/completions", json=big, timeout=60).json()["choices"]
+        small_alone = httpx.post(f"{base_url}/v1/completions", json=small, timeout=60).json()["choices"][0]
+        held: list[int] = []  # rows of the big request in each step
+        inner = generator._step
+
+        def recording(admitted):
+            events = inner(admitted)
+            held.append(sum(1 for c in generator._rows if c.group.params.n == 6))
+            return events
+
+        generator._step = recording
+        gate = StepGate(generator)  # wraps the recording step; removing the gate restores the class's step
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+                head, (other,) = await join_running_batch(client, generator, gate, big, [small])
+                return await head, await other
+
+        try:
+            big_answer, small_answer = asyncio.run(scenario())
+        finally:
+            gate.remove()
+    assert held and max(held) <= 2, held
+    assert gate.steps[1] == Step(admitted=1, running=2), gate.steps  # the small prompt joined at the second step
+    assert big_answer.status_code == 200 and small_answer.status_code == 200
+    # seeded choices give the same text whichever rows they shared the batch with
+    assert [c["text"] for c in big_answer.json()["choices"]] == [c["text"] for c in alone]
+    assert small_answer.json()["choices"][0]["text"] == small_alone["text"]
