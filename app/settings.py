@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, SecretStr, model_validator
+from pydantic import AfterValidator, ByteSize, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # --- OpenAI completions, chat and generation ---
     max_choices: int = Field(default=128, ge=1)
     """Most choices (prompts x n) in one /v1/completions or /v1/chat/completions request."""
+    memory_budget: ByteSize | None = None
+    """Memory the server may use in all, weights included (bytes, or e.g. `6GiB`). Work is admitted against it by
+    its worst-case bytes and waits its turn when it does not fit. Default: the cgroup memory limit minus 15% (at
+    least 512 MiB) when there is one, else half of physical memory."""
     max_rows_per_request: int = Field(default=16, ge=1)
     """Most decoding rows one prompt holds at once: the rest of its `n` choices wait for its rows to finish, so one
     request with a large `n` cannot take every row of the decode batch while other callers wait."""

@@ -1,5 +1,5 @@
 """The engine core: the one owner of the device. One scheduler loop feeds one device thread with scoring batches and
-generation steps in turn, under one budget of key/value tokens; tokenization and input checks run on one tokenizer
+generation steps in turn, under one memory budget in bytes; tokenization and input checks run on one tokenizer
 thread. Typed work in (ScoreQuery, prompts + GenerationParams), typed results out (ScoredPrompts, stream events)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from app.engine.batcher import Batcher, BatchStats
+from app.engine.budget import MemoryBudget, resident_bytes
 from app.engine.generation import Generator
 from app.engine.inputs import InputChecks
 from app.engine.loop import ConsumerLoop
@@ -20,9 +21,10 @@ from app.engine.score_prompts import ScorePrompts
 from app.engine.scoring import Scorer, common_prefix_len
 from app.engine.token_strings import TokenStrings
 from app.engine.work import GenerationParams, ScoreQuery, ScoreWork
-from app.errors import ServiceUnavailableError
+from app.errors import InvalidRequestError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
+from models.memory import MemoryModel, default_memory_budget, release_free_memory
 from sampler import SamplingParams
 
 log = logging.getLogger("genscore.engine")
@@ -66,9 +68,11 @@ class Engine(ConsumerLoop):
         self.generator = Generator(loaded, settings, device=self.device, on_tokens=on_tokens, on_work=self._wake.set)
         self.batcher.drive_by(self)
         self.generator.drive_by(self)
-        # The one budget of key/value tokens: decoding rows reserve their final length, and a scoring batch gets
-        # what they leave (max_batch_tokens at most; one unit always, so scoring is never starved out).
-        self.budget_tokens = settings.max_cache_tokens
+        # The memory budget is set once warm (it is measured from what the process then holds); until then only
+        # the token limits apply.
+        self.budget: MemoryBudget | None = None
+        self.scoring_tokens = settings.max_batch_tokens  # the most padded tokens of one scoring batch
+        self._trim_due = False  # work ran since freed memory was last given back to the OS
 
     @property
     def share_prefixes(self) -> bool:
@@ -83,6 +87,21 @@ class Engine(ConsumerLoop):
         """Real work through the paths requests take, on the device thread, so the first caller pays no lazy init."""
         await asyncio.get_running_loop().run_in_executor(self.device, self.scorer.warm_up)
         await self.generator.warm_up()
+        await asyncio.get_running_loop().run_in_executor(self.device, release_free_memory)
+        self._bound_memory()
+
+    def _bound_memory(self) -> None:
+        """Split the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
+        total = int(self.settings.memory_budget or default_memory_budget())
+        self.budget = MemoryBudget.split(MemoryModel.of(self.loaded), total, resident_bytes(),
+                                         self.scorer.prefix_cache.stats.capacity_bytes, self.settings.max_batch_tokens)
+        self.scoring_tokens = self.budget.scoring_tokens(self.settings.max_batch_tokens)
+        self.generator.fits_memory = self.budget.generation_fits
+        gib = 2**30
+        log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for scoring "
+                 "(batches up to %d tokens), %.2f GiB for decode rows and prefills", total / gib,
+                 self.budget.baseline_bytes / gib, self.budget.prefix_cache_bytes / gib,
+                 self.budget.scoring_bytes / gib, self.scoring_tokens, self.budget.generation_bytes / gib)
 
     async def stop(self) -> None:
         await super().stop()
@@ -95,9 +114,14 @@ class Engine(ConsumerLoop):
         while True:
             self._wake.clear()
             if not (self.batcher.has_work or self.generator.has_work):
+                if self._trim_due:  # idle after work: hand the pages its peak left free back to the OS
+                    self._trim_due = False
+                    await asyncio.get_running_loop().run_in_executor(self.device, release_free_memory)
+                    continue
                 await self._wake.wait()
+            self._trim_due = True
             if self.batcher.has_work:
-                await self.batcher.run_once(max_tokens=max(1, self.budget_tokens - self.generator.reserved_tokens))
+                await self.batcher.run_once(max_tokens=self.scoring_tokens)
             if self.generator.has_work:
                 await self.generator.run_once()
 
@@ -127,17 +151,43 @@ class Engine(ConsumerLoop):
         """Check and tokenize the query, then score every prompt through the batcher."""
         self.checks.model(query.model)
         params, prompts, candidates = await self.on_tokenizer_thread(self.prepare_score, query)
-        outcomes = await self.run_prompts(prompts, params, candidates)
+        outcomes = await self.run_prompts(prompts, params, candidates,
+                                          "query" if query.items is None else "items")
         return ScoredPrompts(prompts, candidates, params, outcomes)
 
     async def run_prompts(self, prompts: list[list[int]], params: SamplingParams,
-                          candidates: tuple[tuple[int, ...], ...] = ()) -> list[ScoreOutcome]:
+                          candidates: tuple[tuple[int, ...], ...] = (), param: str = "items") -> list[ScoreOutcome]:
         """One unit per prompt through the batcher. The prompts' common prefix is marked shared when more than one
-        sequence hangs off it (several prompts, or candidates), so it runs once per batch or comes from the cache."""
+        sequence hangs off it (several prompts, or candidates), so it runs once per batch or comes from the cache.
+
+        A prompt too big for any scoring batch the memory budget allows is refused (400 naming `param`[i])."""
         shared = 0
         if self.share_prefixes and (len(prompts) > 1 or candidates):
             shared = common_prefix_len(prompts)
-        return await self.batcher.submit([ScoreWork(ids, params, shared, candidates) for ids in prompts])
+        works = [ScoreWork(ids, params, shared, candidates) for ids in prompts]
+        for i, work in enumerate(works):
+            if work.cost > self.scoring_tokens:
+                raise InvalidRequestError(
+                    f"this prompt puts {work.cost} tokens through the model at once (one row per candidate), more "
+                    f"than the {self.scoring_tokens} that the server's memory budget allows in one scoring batch "
+                    "(--memory-budget); shorten it or send fewer candidates",
+                    param if len(prompts) == 1 and param == "query" else f"{param}[{i}]")
+        return await self.batcher.submit(works)
+
+    def check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
+        """400 when one choice of this prompt could never fit the memory budget, even alone: its cache grown to
+        prompt + max_tokens, with its prefill. Names max_tokens when a smaller one would fit, else the prompt."""
+        if self.budget is None:
+            return
+        final = min(prompt_len + max_tokens, self.loaded.max_length)
+        if self.budget.generation_fits(1 if max_tokens else 0, final, 1, prompt_len):
+            return
+        if self.budget.generation_fits(1, prompt_len + 1, 1, prompt_len):
+            raise InvalidRequestError(
+                f"{prompt_len} prompt tokens + {max_tokens} completion tokens do not fit the server's memory budget "
+                f"(--memory-budget) even alone; reduce {max_param}", max_param)
+        raise InvalidRequestError(f"a prompt of {prompt_len} tokens does not fit the server's memory budget "
+                                  "(--memory-budget) even alone; shorten it", param)
 
     def generate(self, prompt_ids: list[int], params: GenerationParams
                  ) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:

@@ -16,6 +16,7 @@ import torch
 
 import sampler
 from app.engine.admission import admit, deadline_error, time_left
+from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
@@ -29,8 +30,6 @@ from sampler import SamplingParams
 
 log = logging.getLogger("genscore.generation")
 
-# prompt positions go through lm_head and the sampler this many at a time: [512, V] float32 is 100 MB at V = 49k
-_PROMPT_LOGPROBS_CHUNK = 512
 
 
 # --- state of the loop (touched by the worker thread during a step, by the event loop between steps) ---------------
@@ -457,8 +456,8 @@ class Generator(ConsumerLoop):
         """hidden [L, H] of one prompt -> the logprob of tokens 1..L-1, each read from the position before it."""
         ids = group.prompt_ids
         positions: list[PositionLogprobs | None] = [None]
-        for start in range(0, len(ids) - 1, _PROMPT_LOGPROBS_CHUNK):
-            stop = min(start + _PROMPT_LOGPROBS_CHUNK, len(ids) - 1)
+        for start in range(0, len(ids) - 1, LOGIT_ROWS_PER_CHUNK):
+            stop = min(start + LOGIT_ROWS_PER_CHUNK, len(ids) - 1)
             logits = head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
             asked = [position_params(group.params, ids[j + 1]) for j in range(start, stop)]
             positions += score_positions(logits, asked)

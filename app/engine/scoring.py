@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 import sampler
+from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.results import ScoreOutcome
 from app.engine.work import ScoreWork
 from models import LoadedModel, forward_logits
@@ -38,9 +39,6 @@ def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
         n = i
     return n
 
-
-# logits rows projected through lm_head at a time when reading candidate tokens: bounds [N, V] memory
-_CANDIDATE_ROWS_PER_CHUNK = 256
 
 
 class Scorer:
@@ -138,7 +136,7 @@ class Scorer:
         chunk: list[_Row] = []
         kept = 0
         for row in rows:
-            if chunk and kept + row.keep > _CANDIDATE_ROWS_PER_CHUNK:
+            if chunk and kept + row.keep > LOGIT_ROWS_PER_CHUNK:
                 yield chunk
                 chunk, kept = [], 0
             chunk.append(row)

@@ -86,6 +86,7 @@ class OpenAIServing:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.loaded.max_length} tokens, but {len(ids)} prompt "
                 f"tokens + {max_tokens} completion tokens were requested; reduce the prompt or {max_param}", max_param)
+        self.engine.check_generation(len(ids), max_tokens, param, max_param)
 
     # --- /v1/completions -----------------------------------------------------------------------------------------
     def completion_work(self, request: CompletionRequest) -> Work:
