@@ -84,6 +84,7 @@ def create_app(
         queue_counts=lambda: (state.engine.batcher.waiting, state.engine.batcher.running) if state.engine else None,
         prefix_cache_stats=lambda: state.engine.prefix_cache.stats if state.engine else None,
         generation_counts=lambda: (state.generator.waiting, state.generator.running) if state.engine else None,
+        engine_counts=lambda: state.engine.work_counts if state.engine else None,
     )
     starting: list[Engine] = []  # the engine while it warms up, so shutdown stops it even before it is ready
 

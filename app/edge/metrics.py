@@ -84,10 +84,11 @@ class Metrics:
 
     def __init__(self, queue_counts: Callable[[], tuple[int, int] | None] = lambda: None,
                  prefix_cache_stats: Callable[[], object | None] = lambda: None,
-                 generation_counts: Callable[[], tuple[int, int] | None] = lambda: None):
+                 generation_counts: Callable[[], tuple[int, int] | None] = lambda: None,
+                 engine_counts: Callable[[], tuple[int, int] | None] = lambda: None):
         """`queue_counts` returns (waiting, running) of the batcher, `prefix_cache_stats` the engine's
-        PrefixCacheStats, `generation_counts` (waiting, running) of the generation loop; each None before
-        the engine exists."""
+        PrefixCacheStats, `generation_counts` (waiting, running) of the generation loop, `engine_counts` the two
+        together (what the engine's one loop has before it); each None before the engine exists."""
         # No `*_created` series: they double the output and no dashboard reads them (a process-wide switch).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -151,6 +152,11 @@ class Metrics:
             generation_counts,
             ("genscore_generation_waiting", "Prompts waiting for a place in the generation loop's decode batch."),
             ("genscore_generation_running", "Choices decoding in the generation loop now.")))
+        registry.register(_QueueCollector(
+            engine_counts,
+            ("genscore_engine_waiting", "Work waiting for the engine's one device thread: scoring sequences plus "
+             "prompts waiting to generate (the autoscaler's backlog signal)."),
+            ("genscore_engine_running", "Work on the device now: scoring sequences plus decoding choices.")))
         registry.register(_PrefixCacheCollector(prefix_cache_stats))
 
     # --- feeders -------------------------------------------------------------------

@@ -79,6 +79,11 @@ class Engine(ConsumerLoop):
         return self.scorer.share_prefixes
 
     @property
+    def work_counts(self) -> tuple[int, int]:
+        """(waiting, running) of all the engine's work: scoring sequences plus generation prompts / choices."""
+        return (self.batcher.waiting + self.generator.waiting, self.batcher.running + self.generator.running)
+
+    @property
     def prefix_cache(self):
         return self.scorer.prefix_cache
 

@@ -241,7 +241,7 @@ def test_queue_depth_hpa_replaces_cpu_metric_as_documented(tmp_path):
     hpa = _one(resources, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "genscore"}
     assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Pods"]
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "genscore_requests_waiting"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "genscore_engine_waiting"
     _validate_strict(resources)
     assert resources == _kubectl_kustomize(overlay)
 

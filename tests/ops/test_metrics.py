@@ -29,6 +29,8 @@ GENSCORE_METRICS = {
     "genscore_model_load_seconds": "gauge",
     "genscore_requests_waiting": "gauge",
     "genscore_requests_running": "gauge",
+    "genscore_engine_waiting": "gauge",
+    "genscore_engine_running": "gauge",
 }
 
 
@@ -146,6 +148,9 @@ def test_waiting_and_running_gauges_follow_the_queue(server):
                 assert time.monotonic() < deadline, f"queue never filled: running={running}, waiting={waiting}"
                 time.sleep(0.02)
             assert running in (2, 4)  # whole requests, up to max_batch_size sequences
+            # the engine's backlog (what the autoscaler reads) holds the scoring queue; nothing is generating
+            assert (metrics.value("genscore_engine_waiting"), metrics.value("genscore_engine_running")) == (
+                waiting, running)
             # Every HTTP request is in progress, and so is this scrape.
             assert metrics.value("genscore_http_requests_in_progress") == n_requests + 1
             gate.set()
