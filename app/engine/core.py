@@ -5,7 +5,9 @@ thread. Typed work in (ScoreQuery, prompts + GenerationParams), typed results ou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +32,7 @@ from sampler import SamplingParams
 log = logging.getLogger("genscore.engine")
 
 DEVICE_THREAD = "genscore-device"  # the name of the one thread that runs model calls
+_TRIM_INTERVAL_S = 1.0  # giving freed heap back costs ~1 ms a time; once a second is plenty
 
 
 class Engine(ConsumerLoop):
@@ -73,6 +76,7 @@ class Engine(ConsumerLoop):
         self.budget: MemoryBudget | None = None
         self.scoring_tokens = settings.max_batch_tokens  # the most padded tokens of one scoring batch
         self._trim_due = False  # work ran since freed memory was last given back to the OS
+        self._trimmed_at = 0.0
 
     @property
     def share_prefixes(self) -> bool:
@@ -120,8 +124,14 @@ class Engine(ConsumerLoop):
             self._wake.clear()
             if not (self.batcher.has_work or self.generator.has_work):
                 if self._trim_due:  # idle after work: hand the pages its peak left free back to the OS
+                    too_soon = self._trimmed_at + _TRIM_INTERVAL_S - time.monotonic()
+                    if too_soon > 0:  # at most one trim a second under a steady stream of short idle gaps
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), too_soon)
+                        continue
                     self._trim_due = False
                     await asyncio.get_running_loop().run_in_executor(self.device, release_free_memory)
+                    self._trimmed_at = time.monotonic()
                     continue
                 await self._wake.wait()
             self._trim_due = True
