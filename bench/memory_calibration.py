@@ -4,6 +4,7 @@ merge and select) in a fresh process per shape, next to models/memory.py's estim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def run_one(model_spec: str, dtype: str, operation: str, rows: int, tokens: int,
     measured = _peak_since(before)
     return {"model": model_spec, "dtype": dtype, "operation": operation, "rows": rows, "tokens": tokens,
             "kept": kept, "measured_mb": round(measured / 2**20, 1), "estimate_mb": round(estimate / 2**20, 1),
-            "ok": estimate >= measured}
+            "ok": estimate >= measured, "memory_model": dataclasses.asdict(memory)}
 
 
 def main() -> None:

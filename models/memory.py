@@ -69,14 +69,20 @@ class MemoryModel:
 
     weights_bytes: int  # parameters + buffers as loaded (pre-packed copies included: they replace the originals)
     kv_bytes_per_token: int  # keys + values of every layer for one token of one sequence, in the cache dtype
+    num_layers: int
     hidden_size: int
     intermediate_size: int
     vocab_size: int
     element_bytes: int  # bytes of one element of the model dtype
+    # scoring forwards run in packs of about this many tokens (models/forward.py PACK_TOKENS), so only one pack's
+    # activations are alive at a time; 0 when the model cannot pack (padded micro-batches, all at once at worst)
+    pack_tokens: int = 0
 
     @classmethod
     def of(cls, loaded) -> MemoryModel:
         """From a models.loading.LoadedModel: its config for the shapes, its tensors for the weights."""
+        from models.forward import PACK_TOKENS
+
         config = loaded.model.config
         config = getattr(config, "text_config", None) or config
         hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
@@ -89,41 +95,50 @@ class MemoryModel:
         return cls(
             weights_bytes=_tensor_bytes(loaded.model),
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
+            num_layers=layers,
             hidden_size=hidden,
             intermediate_size=intermediate,
             vocab_size=loaded.vocab_size,
             element_bytes=element,
+            pack_tokens=PACK_TOKENS if loaded.fast_paths.enabled("packed_batches") else 0,
         )
 
     def logits_bytes(self, kept: int) -> int:
         """float32 logits of `kept` positions and the sampler's copies of them (snapshot, sort, softmax, ...)."""
         return kept * self.vocab_size * (_LOGIT_COPIES * 4 + self.element_bytes)
 
-    def forward_bytes(self, rows: int, tokens: int, kept: int) -> int:
+    def forward_bytes(self, rows: int, tokens: int, kept: int, longest: int | None = None) -> int:
         """Worst-case transient bytes of one scoring/prefill forward: `rows` sequences, `tokens` tokens in all
         (padding included; a suffix pass over a shared prefix counts rows x (prefix + suffix)), `kept` positions
-        projected through lm_head (float32 logits + sampler copies).
+        projected through lm_head (float32 logits + sampler copies). `longest`: the longest sequence, when known
+        (it bounds a pack and the attention mask; default: as long as all tokens but one per other row).
 
-        Covers the key/value states a prefill leaves (and the clone models/prefix.py takes of them): a caller that
-        keeps them as a decode cache counts that cache with cache_bytes from then on.
+        The key/value states a prefill leaves are not included: count them with cache_bytes(rows, width), which
+        includes the copy select_rows (decoding) or clone (models/prefix.py) takes of them.
         """
-        longest = -(-tokens // max(rows, 1))  # the widest sequence the mask can span, at least the mean
-        activations = tokens * (_HIDDEN_COPIES * self.hidden_size + _INTERMEDIATE_COPIES * self.intermediate_size)
+        rows = max(rows, 1)
+        longest = tokens - (rows - 1) if longest is None else longest
+        alive = tokens if not self.pack_tokens else min(tokens, max(self.pack_tokens, longest))
+        activations = alive * (_HIDDEN_COPIES * self.hidden_size + _INTERMEDIATE_COPIES * self.intermediate_size)
         activations *= self.element_bytes
-        masks = rows * longest * longest * _MASK_BYTES_PER_PAIR
-        states = 2 * tokens * self.kv_bytes_per_token  # the cache a prefill fills, and a copy of it
-        return _FIXED_FORWARD_BYTES + activations + masks + states + self.logits_bytes(kept)
+        # sum of each sequence's (or padded row's) length squared: at most longest x tokens
+        masks = longest * tokens * _MASK_BYTES_PER_PAIR
+        picked = kept * self.hidden_size * self.element_bytes * 2  # kept hidden states, gathered and concatenated
+        return _FIXED_FORWARD_BYTES + activations + masks + picked + self.logits_bytes(kept)
 
     def cache_bytes(self, rows: int, width: int) -> int:
         """Bytes of a decode KV cache of rows x width, including the transient copy when it grows by one column
         (torch.cat) or is merged/selected (models/decoding.py merge/select_rows).
 
-        merge and select_rows build every layer of the new cache while the old one is still referenced, so the
-        peak is twice the cache; the attention mask ([rows, width] int64) is copied alongside.
+        merge and select_rows build every layer of the new cache while the old one is still referenced, so the peak
+        is twice the cache, plus one layer's keys and values (merge's left-padded copy of the narrower batch's layer,
+        or a decode step's torch.cat of one layer, never both at once);
+        the attention mask ([rows, width] int64) is copied alongside.
         """
         cache = rows * width * self.kv_bytes_per_token
-        mask = rows * width * 8
-        return 2 * (cache + mask)
+        layer = -(-cache // self.num_layers)
+        mask = rows * (width + 1) * 8
+        return 2 * (cache + mask) + layer
 
     def decode_step_bytes(self, rows: int, width: int) -> int:
         """Transient bytes of one decode step over rows x width on top of the cache (logits [rows, V], ...)."""
@@ -134,16 +149,16 @@ class MemoryModel:
 
     def largest_rows(self, width: int, budget_bytes: int) -> int:
         """Most decode rows of final width `width` whose cache and step fit in `budget_bytes` (0 if not one)."""
-        rows = 0
-        step = 1 << 20
-        while step:
-            trial = rows + step
-            if self.cache_bytes(trial, width) + self.decode_step_bytes(trial, width) <= budget_bytes:
-                rows = trial
-                step *= 2 if step == trial else 1
-            else:
-                step //= 2
-        return rows
+        def fits(rows: int) -> bool:
+            return self.cache_bytes(rows, width) + self.decode_step_bytes(rows, width) <= budget_bytes
+
+        low, high = 0, 1
+        while fits(high):
+            low, high = high, high * 2
+        while high - low > 1:  # fits(low), not fits(high)
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
 
 
 def _read_limit(path: Path) -> int | None:
@@ -199,16 +214,16 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def default_memory_budget(limit: int | None = None, physical: int | None = None) -> int:
-    """The cgroup limit minus headroom (15%, at least 512 MiB), else half of physical memory.
-
-    `limit` / `physical` default to this machine's (memory_limit_bytes(), physical_memory_bytes()).
-    """
-    limit = memory_limit_bytes() if limit is None else limit
+def budget_for(limit: int | None, physical: int) -> int:
+    """A memory limit minus headroom (15%, at least 512 MiB); without a limit, half of physical memory."""
     if limit is not None:
         return max(limit - max(int(limit * DEFAULT_HEADROOM_SHARE), MIN_HEADROOM_BYTES), 0)
-    physical = physical_memory_bytes() if physical is None else physical
     return int(physical * PHYSICAL_MEMORY_SHARE)
+
+
+def default_memory_budget() -> int:
+    """This process's budget: its cgroup's limit minus headroom, else half of the machine's memory."""
+    return budget_for(memory_limit_bytes(), physical_memory_bytes())
 
 
 @lru_cache(maxsize=1)
