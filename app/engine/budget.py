@@ -18,7 +18,8 @@ class MemoryBudgetTooSmall(ValueError):
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Bytes for work: the budget minus the process at ready (weights, libraries, warm-up) and the prefix cache.
+    """Bytes for work: the budget minus the process at ready (weights, libraries, warm-up), the prefix cache and
+    room to build the largest response the request limits allow.
 
     Scoring keeps a slice of its own (room for one full batch of max_batch_tokens, at most half the work bytes), so
     a scoring request never waits for decode rows to finish; decode rows and prefills share the rest. Each piece of
@@ -29,20 +30,24 @@ class MemoryBudget:
     total_bytes: int
     baseline_bytes: int  # resident when ready
     prefix_cache_bytes: int
+    response_bytes: int
     scoring_bytes: int
     generation_bytes: int
 
     @classmethod
     def split(cls, memory: MemoryModel, total_bytes: int, baseline_bytes: int, prefix_cache_bytes: int,
-              max_batch_tokens: int) -> MemoryBudget:
-        work = total_bytes - baseline_bytes - prefix_cache_bytes
+              largest_response_values: int, max_batch_tokens: int) -> MemoryBudget:
+        response = memory.response_bytes(largest_response_values)
+        work = total_bytes - baseline_bytes - prefix_cache_bytes - response
         if work <= 0:
+            gib = 2**30
             raise MemoryBudgetTooSmall(
-                f"the memory budget ({total_bytes / 2**30:.2f} GiB, --memory-budget) is below what the loaded model "
-                f"already holds ({baseline_bytes / 2**30:.2f} GiB resident) plus the prefix cache "
-                f"({prefix_cache_bytes / 2**30:.2f} GiB, --prefix-cache-mb)")
+                f"the memory budget ({total_bytes / gib:.2f} GiB, --memory-budget) is below what the loaded model "
+                f"already holds ({baseline_bytes / gib:.2f} GiB resident) plus the prefix cache "
+                f"({prefix_cache_bytes / gib:.2f} GiB, --prefix-cache-mb) and the largest response the request "
+                f"limits allow ({response / gib:.2f} GiB)")
         scoring = min(_scoring_batch_bytes(memory, max_batch_tokens), work // 2)
-        return cls(memory, total_bytes, baseline_bytes, prefix_cache_bytes, scoring, work - scoring)
+        return cls(memory, total_bytes, baseline_bytes, prefix_cache_bytes, response, scoring, work - scoring)
 
     # --- scoring ---------------------------------------------------------------------
     def scoring_tokens(self, max_batch_tokens: int) -> int:
@@ -63,9 +68,9 @@ class MemoryBudget:
         the other; the prefill's states are counted in the cache they join)."""
         m = self.memory
         prefill = 0
-        if prefill_rows:
-            prefill = m.forward_bytes(prefill_rows, prefill_rows * prefill_width,
-                                      min(prefill_rows * prefill_width, LOGIT_ROWS_PER_CHUNK))
+        if prefill_rows:  # the last position of every prompt, and prompt logprobs a chunk at a time
+            kept = prefill_rows + min(prefill_width, LOGIT_ROWS_PER_CHUNK)
+            prefill = m.forward_bytes(prefill_rows, prefill_rows * prefill_width, kept, longest=prefill_width)
         return m.cache_bytes(rows, final) + max(m.decode_step_bytes(rows, final) if rows else 0, prefill)
 
     def generation_fits(self, rows: int, final: int, prefill_rows: int, prefill_width: int) -> bool:
@@ -73,7 +78,8 @@ class MemoryBudget:
 
     def as_dict(self) -> dict:
         return {"total_bytes": self.total_bytes, "baseline_bytes": self.baseline_bytes,
-                "prefix_cache_bytes": self.prefix_cache_bytes, "scoring_bytes": self.scoring_bytes,
+                "prefix_cache_bytes": self.prefix_cache_bytes, "response_bytes": self.response_bytes,
+                "scoring_bytes": self.scoring_bytes,
                 "generation_bytes": self.generation_bytes}
 
 

@@ -102,14 +102,19 @@ class Engine(ConsumerLoop):
     def _bound_memory(self) -> None:
         """Split the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
         total = int(self.settings.memory_budget or default_memory_budget())
+        s = self.settings
+        # a /score of max_items prompts, each with its label values and ranks and a top list (id, text, value)
+        largest_response = s.max_items * (2 * s.max_label_token_ids + 3 * s.max_top_logprobs)
         self.budget = MemoryBudget.split(MemoryModel.of(self.loaded), total, resident_bytes(),
-                                         self.scorer.prefix_cache.stats.capacity_bytes, self.settings.max_batch_tokens)
+                                         self.scorer.prefix_cache.stats.capacity_bytes, largest_response,
+                                         s.max_batch_tokens)
         self.scoring_tokens = self.budget.scoring_tokens(self.settings.max_batch_tokens)
         self.generator.fits_memory = self.budget.generation_fits
         gib = 2**30
-        log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for scoring "
-                 "(batches up to %d tokens), %.2f GiB for decode rows and prefills", total / gib,
+        log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for responses, "
+                 "%.2f GiB for scoring (batches up to %d tokens), %.2f GiB for decode rows and prefills", total / gib,
                  self.budget.baseline_bytes / gib, self.budget.prefix_cache_bytes / gib,
+                 self.budget.response_bytes / gib,
                  self.budget.scoring_bytes / gib, self.scoring_tokens, self.budget.generation_bytes / gib)
 
     async def stop(self) -> None:
