@@ -14,15 +14,16 @@ from models.prepack import PrepackedLinear
 
 # GEMM kernels pick their blocking, and so the order in which they sum over the inner dimension, from the row
 # count M (measured with oneDNN on an AMX CPU: bfloat16 576->1536 sums one way for 16-32 rows and 768-1024, another
-# for 33-640; float32 nn.Linear changes below 16 rows). A call whose shape is always the same gives a row the same
-# numbers wherever it sits: rows run in tiles of SMALL_TILE_ROWS, the last one padded with zero rows.
-SMALL_TILE_ROWS = 32
-# Large calls run in tiles of LARGE_TILE_ROWS (one packed row, models/forward.py PACK_TOKENS) where a GEMM is ~3x
-# faster per row than at 32 rows; used only for a layer whose kernel gives both tile sizes the same numbers,
-# which is checked per layer at load (_tiles_agree). A remainder of more than LARGE_TILE_FILL rows is padded to
-# one more large tile instead of many small ones.
-LARGE_TILE_ROWS = 1024
-LARGE_TILE_FILL = 384
+# for 33-640; float32 nn.Linear changes below 16 rows). A call whose shape is one of a few fixed sizes that sum the
+# same way gives a row the same numbers wherever it sits: rows run in tiles of those sizes, the last tile padded
+# with zero rows. The sizes each layer may use are found at load (_agreeing_sizes): the largest set of TILE_SIZES
+# whose calls give the same bits.
+TILE_SIZES = (1024, 512, 256, 128, 64, 32)  # 1024: one packed row (models/forward.py PACK_TOKENS)
+# The output head: few rows per batch, and [1024, V] logits over a large vocabulary would be a large buffer.
+HEAD_TILE_SIZES = (256, 128, 64, 32)
+# A tile may be padded to at most this share of zero rows before smaller tiles are used instead; fewer, larger
+# calls are faster per row (3-10x from 32 to 1024 rows on the default model's shapes).
+MAX_PADDING = 0.5
 
 # Models whose forward passes run batch-invariant (make_batch_invariant): fixed-row linears, and callers in
 # models/ lay out each sequence in a shape that does not depend on its neighbours.
@@ -35,17 +36,17 @@ def is_batch_invariant(model: PreTrainedModel) -> bool:
 
 
 def tile_plan(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(start, tile size) of each tile covering `rows` rows; sizes is (small,) or (large, small)."""
+    """(start, tile size) of each tile covering `rows` rows, from `sizes` (descending, all summing the same way)."""
     plan, start = [], 0
-    if len(sizes) == 2:
-        large = sizes[0]
-        while rows - start >= large or rows - start > LARGE_TILE_FILL:
-            plan.append((start, large))
-            start += large
-    small = sizes[-1]
     while start < rows:
-        plan.append((start, small))
-        start += small
+        left = rows - start
+        fitting = [s for s in sizes if s <= left]
+        size = fitting[0] if fitting else sizes[-1]
+        bigger = [s for s in sizes if s > left]
+        if bigger and (bigger[-1] - left) <= MAX_PADDING * bigger[-1]:
+            size = bigger[-1]  # one padded tile instead of several smaller calls
+        plan.append((start, size))
+        start += size
     return plan
 
 
@@ -86,13 +87,22 @@ def _in_features(layer: nn.Module) -> int:
 
 
 @torch.inference_mode()
-def _tiles_agree(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `layer` gives rows the same bits in a LARGE_TILE_ROWS call as in SMALL_TILE_ROWS calls."""
+def _agreeing_sizes(layer: nn.Module, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """The largest subset of `sizes` (descending) whose calls give every row the same bits from `layer`."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(LARGE_TILE_ROWS, _in_features(layer), generator=generator).to(device=device, dtype=dtype)
-    whole = layer(x)  # [LARGE, out]
-    return all(torch.equal(whole[s : s + SMALL_TILE_ROWS], layer(x[s : s + SMALL_TILE_ROWS]))
-               for s in range(0, LARGE_TILE_ROWS, SMALL_TILE_ROWS))
+    x = torch.randn(sizes[0], _in_features(layer), generator=generator).to(device=device, dtype=dtype)
+    classes: list[tuple[torch.Tensor, list[int]]] = []  # (rows computed in calls of size s, [s, ...])
+    for size in sizes:
+        out = torch.cat([layer(x[s : s + size]) for s in range(0, sizes[0], size)])  # [sizes[0], out]
+        for rows, members in classes:
+            if torch.equal(rows, out):
+                members.append(size)
+                break
+        else:
+            classes.append((out, [size]))
+    # most sizes first; among equals, the one with the smallest tile (least padding for small calls)
+    best = max(classes, key=lambda c: (len(c[1]), -c[1][-1]))[1]
+    return tuple(best)
 
 
 def _wrap_row_wise(root: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
@@ -106,8 +116,7 @@ def _wrap_row_wise(root: nn.Module, dtype: torch.dtype, device: torch.device) ->
             weight = child.packed_weight if isinstance(child, PrepackedLinear) else child.weight
             shape = (type(child), _in_features(child), *weight.shape, weight.dtype)
             if shape not in verdicts:
-                agree = _tiles_agree(child, dtype, device)
-                verdicts[shape] = (LARGE_TILE_ROWS, SMALL_TILE_ROWS) if agree else (SMALL_TILE_ROWS,)
+                verdicts[shape] = _agreeing_sizes(child, TILE_SIZES, dtype, device)
             setattr(module, name, RowTiledLinear(child, verdicts[shape]))
             wrapped += 1
     return wrapped
@@ -116,13 +125,20 @@ def _wrap_row_wise(root: nn.Module, dtype: torch.dtype, device: torch.device) ->
 def make_batch_invariant(model: PreTrainedModel) -> None:
     """Run every row-wise layer of the decoder body in fixed row tiles and mark `model` batch-invariant.
 
-    The output head is tiled in the head's own view (models/head.py), so the model's lm_head is left alone.
+    The output head is tiled in the head's own view (models/head.py, tiled_head), so the model's lm_head is left
+    alone; its tile sizes are found here, once.
     """
     _wrap_row_wise(model.base_model, model.dtype, model.device)
+    head = model.get_output_embeddings()
+    if type(head) in _ROW_WISE:
+        _HEAD_SIZES[head] = _agreeing_sizes(head, HEAD_TILE_SIZES, model.dtype, model.device)
     _INVARIANT.add(model)
 
 
+# lm_head -> the tile sizes it may use (make_batch_invariant)
+_HEAD_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tiled_head(lm_head: nn.Module) -> nn.Module:
-    """lm_head run on SMALL_TILE_ROWS-row tiles: a batch keeps few positions, and a head over a large vocabulary
-    at LARGE_TILE_ROWS rows would hold [1024, V] logits at once."""
-    return RowTiledLinear(lm_head, (SMALL_TILE_ROWS,))
+    """lm_head run in the fixed row tiles make_batch_invariant found for it."""
+    return RowTiledLinear(lm_head, _HEAD_SIZES.get(lm_head, (HEAD_TILE_SIZES[-1],)))
