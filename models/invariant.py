@@ -70,7 +70,8 @@ class RowTiledLinear(nn.Module):
             if real < size:  # zero rows only produce their own (discarded) outputs
                 tile = torch.cat([tile, tile.new_zeros(size - real, tile.shape[1])])
             outs.append(self.inner(tile)[:real])  # [real, out]
-        return torch.cat(outs).reshape(*x.shape[:-1], -1)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # one tile: no copy of the output
+        return out.reshape(*x.shape[:-1], -1)
 
     def extra_repr(self) -> str:
         return f"tiles={self.sizes}"

@@ -21,7 +21,9 @@ TARGET = [(37 * i + 1000) % 40000 for i in range(60)]
 PARAMS = SamplingParams(label_token_ids=(7042, 4528, 260), top_logprobs=5)
 
 tokens = st.lists(st.integers(100, 40000), min_size=1, max_size=150)
-neighbour = st.tuples(tokens, st.sampled_from(list(LogprobsMode)), st.sampled_from([None, 0.5, 2.0]))
+# a batch of 160 to 1000+ tokens: bfloat16 kernels change their summation order within that range of rows
+long_tokens = st.lists(st.integers(100, 40000), min_size=100, max_size=300)
+neighbour = st.tuples(long_tokens, st.sampled_from(list(LogprobsMode)), st.sampled_from([None, 0.5, 2.0]))
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -37,7 +39,7 @@ def test_the_self_check_proves_invariance(invariant_real):
 
 
 @EXAMPLES
-@given(before=st.lists(neighbour, max_size=3), after=st.lists(neighbour, max_size=3))
+@given(before=st.lists(neighbour, min_size=1, max_size=3), after=st.lists(neighbour, max_size=3))
 def test_a_request_gives_the_same_bits_in_any_batch(invariant_real, before, after):
     model, pad = invariant_real.model, invariant_real.pad_token_id
     alone = forward_logits(model, [TARGET], pad)  # [1, V]
