@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="naive,inprocess,genscore,llama",
                    help="which systems to run (naive, inprocess, genscore, llama)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="genscore dtypes")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run genscore with --batch-invariant (its systems are named '... invariant')")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: .cache/bench/bin, then PATH)")
     p.add_argument("--llama-slots", type=int, default=8, help="llama-server parallel slots")
     p.add_argument("--llama-top-k", type=int, default=20, help="n_probs asked of llama-server")
@@ -156,13 +158,17 @@ def main(argv=None) -> int:
 
         for dtype in dtypes:
             short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+            if args.batch_invariant:
+                short += " invariant"
             if "inprocess" in systems:
                 log(f"genscore Engine in-process ({dtype})")
-                out = run_worker("engine", dict(base_spec, dtype=dtype, concurrency=concurrency), tmp)
+                out = run_worker("engine", dict(base_spec, dtype=dtype, concurrency=concurrency,
+                                                batch_invariant=args.batch_invariant), tmp)
                 results["systems"][f"genscore in-process {short}"] = dict(out, dtype=dtype)
             if "genscore" in systems:
                 log(f"genscore over HTTP ({dtype})")
-                server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log")
+                server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log",
+                                        batch_invariant=args.batch_invariant)
                 try:
                     runs = asyncio.run(drive(lambda c, url=server.base_url: GenscoreClient(url, c), workloads,
                                              concurrency, args.warmup, args.repeats))

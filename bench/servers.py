@@ -65,10 +65,13 @@ def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s
         time.sleep(0.05)
 
 
-def start_genscore(model: str, dtype: str, cache_dir: Path, log_path: Path, timeout_s: float = 300) -> Server:
+def start_genscore(model: str, dtype: str, cache_dir: Path, log_path: Path, timeout_s: float = 300,
+                   batch_invariant: bool = False) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model, "--dtype", dtype, "--cache-dir", str(cache_dir),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
+    if batch_invariant:
+        cmd.append("--batch-invariant")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return _start(cmd, "/ready", log_path, port, timeout_s, env)
 

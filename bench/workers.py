@@ -67,9 +67,11 @@ def engine(spec: dict) -> dict:
     from app.settings import Settings
     from models import load_model
 
-    settings = Settings(model=spec["model"], dtype=spec["dtype"], cache_dir=Path(spec["cache_dir"]))
+    settings = Settings(model=spec["model"], dtype=spec["dtype"], cache_dir=Path(spec["cache_dir"]),
+                        batch_invariant=spec.get("batch_invariant", False))
     started = time.perf_counter()
-    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir)
+    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir,
+                        batch_invariant=settings.batch_invariant)
     load_s = time.perf_counter() - started
 
     async def main() -> dict:
