@@ -103,8 +103,8 @@ class Engine(ConsumerLoop):
         """Set the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
         total = int(self.settings.memory_budget or default_memory_budget())
         s = self.settings
-        # a /score of max_items prompts, each with its label values and ranks and a top list (id, text, value)
-        largest_response = s.max_items * (2 * s.max_label_token_ids + 3 * s.max_top_logprobs)
+        # a /score of max_items prompts, each with its labels' values, scores and ranks and a top list (id, text, value)
+        largest_response = s.max_items * (3 * s.max_label_token_ids + 3 * s.max_top_logprobs)
         budget = self.budget = MemoryBudget.of(MemoryModel.of(self.loaded), total, resident_bytes(),
                                                self.scorer.prefix_cache.stats.capacity_bytes, largest_response,
                                                s.max_batch_tokens)
