@@ -22,7 +22,7 @@ from bench.peak import gemm_gflops
 from bench.workload import items_workload, scoring_workload
 from models import forward_logits, load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
 
 
 def _scoring_pass(loaded, requests, batch: int) -> list[torch.Tensor]:
@@ -47,7 +47,7 @@ def _items_pass(loaded, requests, batch: int) -> list[torch.Tensor]:
     out = []
     for start in range(0, len(requests), batch):
         group = requests[start : start + batch]
-        states = prefill(loaded.model, [r.query for r in group], loaded.pad_token_id)
+        states = prefill_prefixes(loaded.model, [r.query for r in group], loaded.pad_token_id)
         rows = [SuffixRow(state, tuple(item)) for state, r in zip(states, group) for item in r.items]
         logits = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))  # [n, V]
         labels = [r.labels for r in group for _ in r.items]

@@ -49,7 +49,7 @@ def run_one(model_spec: str, dtype: str, operation: str, rows: int, tokens: int,
     from models.head import head_logits
     from models.memory import MemoryModel
     from models.prefix import SuffixRow, forward_suffixes
-    from models.prefix import prefill as prefix_prefill
+    from models.prefix import prefill_prefixes as prefix_prefill
 
     loaded = load_model(model_spec, device="cpu", dtype=dtype, cache_dir=Path.home() / ".cache" / "genscore")
     memory = MemoryModel.of(loaded)

@@ -98,11 +98,11 @@ def supports_prefix_reuse(model: PreTrainedModel) -> bool:
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
+def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
     """Run each prefix once (left-padded together; alone on a batch-invariant model, where the padding would change
     the order attention sums in) and keep its key/value states and last hidden state."""
     if is_batch_invariant(model) and len(prefixes) > 1:
-        return [state for prefix in prefixes for state in prefill(model, [prefix], pad_token_id)]
+        return [state for prefix in prefixes for state in prefill_prefixes(model, [prefix], pad_token_id)]
     device = model.device
     input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
     cache = DynamicCache(config=model.config)

@@ -15,7 +15,7 @@ from models.forward import forward_logits, run_one_at_a_time
 from models.head import head_logits
 from models.invariant import make_batch_invariant
 from models.packed import supports_packing, use_packed_attention
-from models.prefix import SuffixRow, forward_suffixes, prefill, supports_prefix_reuse
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse
 from models.prepack import prepack_linears, restore_linears
 
 log = logging.getLogger("genscore.models")
@@ -169,7 +169,7 @@ def _batch_difference(model: PreTrainedModel, probe: _Probe, neighbours: list[li
         return forward, None
 
     def suffix_logits(prefixes: list[list[int]], pairs: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
-        states = dict(zip(map(tuple, prefixes), prefill(model, prefixes, pad_token_id)))
+        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, prefixes, pad_token_id)))
         return head_logits(model, forward_suffixes(
             model, [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in pairs], pad_token_id))
 
@@ -261,7 +261,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     if supports_prefix_reuse(model):
         def prefix_error() -> float:
             distinct = [probe.long_prefix, probe.short_prefix]  # prefilled together, left-padded to each other
-            states = dict(zip(map(tuple, distinct), prefill(model, distinct, pad_token_id)))
+            states = dict(zip(map(tuple, distinct), prefill_prefixes(model, distinct, pad_token_id)))
             rows = [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
             return _error(head_logits(model, forward_suffixes(model, rows, pad_token_id)), reference, model.dtype)
 

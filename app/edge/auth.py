@@ -9,12 +9,10 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.edge.paths import METRICS_PATH, PROBE_PATHS
 from app.edge.responses import error_response
 from app.errors import AuthenticationError
 from app.settings import Settings
-
-PROBE_PATHS = frozenset({"/health", "/ready"})  # kubelet probes carry no credentials
-METRICS_PATH = "/metrics"
 
 
 class ApiKeyMiddleware:

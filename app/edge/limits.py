@@ -9,12 +9,12 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.deadline import request_deadline
+from app.edge.paths import PROBE_PATHS
 from app.edge.responses import error_response
 from app.errors import GenscoreError, InvalidRequestError, OverloadedError, PayloadTooLargeError
 from app.settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout"
-UNCAPPED_PATHS = frozenset({"/health", "/ready"})  # a busy pod must still answer its probes
 _TIMEOUT_HEADER_KEY = TIMEOUT_HEADER.lower().encode()
 
 
@@ -49,7 +49,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["path"] in UNCAPPED_PATHS:
+        if scope["path"] in PROBE_PATHS:
             await self._guarded(scope, receive, send)
             return
         if self.open_requests >= self.max_open_requests:
@@ -154,11 +154,3 @@ class RequestGuard:
             raise
         finally:
             watcher.cancel()
-
-
-def check_limit(value: int | None, limit: int, param: str, setting: str) -> None:
-    """400 naming the field, the limit and its setting when a request asks for more than the server allows.
-
-    For the per-request counts the routes check (e.g. `max_tokens` against `max_generated_tokens`)."""
-    if value is not None and value > limit:
-        raise InvalidRequestError(f"{param} = {value} exceeds the server limit of {limit} ({setting})", param)

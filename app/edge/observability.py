@@ -14,6 +14,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.edge.metrics import UNMATCHED_ROUTE, Metrics
+from app.edge.paths import METRICS_PATH, PROBE_PATHS
 from app.errors import error_body
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -27,8 +28,6 @@ _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 # The kubelet probes every few seconds, and Prometheus scrapes as often: their lines are DEBUG only. A failing
 # probe too (503 while loading or draining): the server logs those changes of state once, at INFO or ERROR.
 # A failing scrape (401 with --no-public-metrics) is not logged elsewhere, so it stays at INFO.
-_PROBE_ROUTES = frozenset({"/health", "/ready"})
-_SCRAPE_ROUTES = frozenset({"/metrics"})
 _CLIENT_CLOSED = 499  # nginx's code for "the client went away"; the status label when no response was sent
 
 
@@ -113,7 +112,7 @@ class ObservabilityMiddleware:
 
     @staticmethod
     def _log(scope: Scope, route: str, status: int, elapsed: float, request_id: str) -> None:
-        quiet = route in _PROBE_ROUTES or (route in _SCRAPE_ROUTES and status < 400)
+        quiet = route in PROBE_PATHS or (route == METRICS_PATH and status < 400)
         level = logging.DEBUG if quiet else logging.INFO
         if not access_log.isEnabledFor(level):
             return

@@ -14,7 +14,7 @@ from app.engine.results import ScoreOutcome
 from app.engine.work import ScoreWork
 from models import LoadedModel, forward_logits
 from models.head import head_logits
-from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill
+from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill_prefixes
 from sampler import SamplingParams
 
 
@@ -125,7 +125,7 @@ class Scorer:
                 states[key] = state
                 reused[i] = len(key)
         if missing:
-            for state in prefill(self.loaded.model, missing, self.loaded.pad_token_id):
+            for state in prefill_prefixes(self.loaded.model, missing, self.loaded.pad_token_id):
                 states[state.tokens] = state
                 self.prefix_cache.put(state)
         return states

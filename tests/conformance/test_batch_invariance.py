@@ -13,7 +13,7 @@ import models.prefix
 import sampler
 from models import forward_logits, load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
 from models.tiny import CONFORMANCE_ARCHITECTURES, make_tiny_model
 from sampler import LogprobsMode, SamplingParams
 
@@ -79,7 +79,7 @@ def test_items_over_a_shared_prefix_give_the_same_bits_in_any_batch(invariant, s
     query, item = TARGET[:20], tuple(TARGET[20:])
 
     def logits(prefixes, pairs):
-        states = dict(zip(map(tuple, prefixes), prefill(model, prefixes, pad)))
+        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, prefixes, pad)))
         rows = [SuffixRow(states[tuple(p)], tuple(s), min(2, len(s) + 1)) for p, s in pairs]
         return head_logits(model, forward_suffixes(model, rows, pad)).split([r.keep for r in rows])
 

@@ -8,7 +8,7 @@ import torch
 
 from models import load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill, supports_prefix_reuse
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse
 from tests.reference import position_logits
 
 
@@ -27,7 +27,7 @@ def test_rows_over_several_prefixes_equal_full_passes(loaded, plain):
     assert supports_prefix_reuse(loaded.model)
     generator = torch.Generator().manual_seed(0)
     short, long = (torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 13))
-    short_state, long_state = prefill(loaded.model, [short, long], loaded.pad_token_id)
+    short_state, long_state = prefill_prefixes(loaded.model, [short, long], loaded.pad_token_id)
     assert short_state.keys[0].shape[-2] == 5 and long_state.keys[0].shape[-2] == 13
     cases = [(short_state, short, [7, 8, 9], 3), (long_state, long, [11], 2), (short_state, short, [], 1),
              (long_state, long, [12, 13, 14, 15, 16, 17], 4), (long_state, long, [], 1)]
@@ -44,6 +44,6 @@ def test_rows_over_several_prefixes_equal_full_passes(loaded, plain):
 
 
 def test_keep_beyond_the_suffix_is_refused(loaded):
-    (state,) = prefill(loaded.model, [[5, 6, 7]], loaded.pad_token_id)
+    (state,) = prefill_prefixes(loaded.model, [[5, 6, 7]], loaded.pad_token_id)
     with pytest.raises(ValueError, match="keep"):
         forward_suffixes(loaded.model, [SuffixRow(state, (1,), 3)], loaded.pad_token_id)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import sampler
 from models import forward_logits, load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
 from sampler import LogprobsMode, SamplingParams
 
 EXAMPLES = settings(max_examples=3, deadline=None, derandomize=True,
@@ -61,7 +61,7 @@ def test_items_over_a_shared_prefix_give_the_same_bits_in_any_batch(invariant_re
     query, item = TARGET[:45], tuple(TARGET[45:])
 
     def last_logits(prefixes, pairs):
-        states = dict(zip(map(tuple, prefixes), prefill(model, prefixes, pad)))
+        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, prefixes, pad)))
         return head_logits(model, forward_suffixes(model, [SuffixRow(states[tuple(p)], s) for p, s in pairs], pad))
 
     alone = last_logits([query], [(query, item)])[0]
