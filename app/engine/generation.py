@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 import sampler
 from app.engine.admission import admit, deadline_error, time_left
 from app.engine.budget import LOGIT_ROWS_PER_CHUNK
+from app.engine.decode_admission import Admission, Choice, PromptGroup, RowLimits, plan_admissions
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
@@ -30,43 +28,7 @@ from sampler import SamplingParams
 
 log = logging.getLogger("genscore.generation")
 
-
-
-# --- state of the loop (touched by the worker thread during a step, by the event loop between steps) ---------------
-
-@dataclass(eq=False)
-class _Group:
-    """One prompt and its n choices."""
-
-    prompt_ids: list[int]
-    params: GenerationParams
-    queue: asyncio.Queue
-    cancelled: bool = False
-    unfinished: int = 0
-    started: int = 0  # choices admitted so far; the prompt waits until all n have been
-
-
-class _Admission(NamedTuple):
-    """Choices first .. first + count - 1 of a prompt, admitted in one step (a prompt's n choices can be admitted
-    over several steps, as rows and memory free up)."""
-
-    group: _Group
-    first: int
-    count: int
-
-
-@dataclass(eq=False)
-class _Choice:
-    group: _Group
-    index: int
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    next_token: int = -1  # sampled, not yet fed to the model
-    text: str = ""  # decoded output, stop string cut off
-    sent: int = 0  # characters of `text` already handed out
-
-
-_DONE = object()
+_DONE = object()  # a prompt's last event: every choice finished
 
 
 class Generator(ConsumerLoop):
@@ -93,10 +55,10 @@ class Generator(ConsumerLoop):
         # the app's one device thread (shared with the scoring batcher), or a thread of its own when alone
         self._owns_device = device is None
         self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
-        self._waiting: list[_Group] = []
-        self._admitting: list[_Admission] = []  # admitted for the step in flight
+        self._waiting: list[PromptGroup] = []
+        self._admitting: list[Admission] = []  # admitted for the step in flight
         self._batch: DecodeBatch | None = None  # rows of self._rows, in order
-        self._rows: list[_Choice] = []
+        self._rows: list[Choice] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0  # decode steps run (tests read it to see batching happen)
@@ -150,7 +112,7 @@ class Generator(ConsumerLoop):
             raise ServiceUnavailableError("the generation loop is not running")
         # a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
         deadline = admit(len(self._waiting), self.max_queued_requests, self.retry_after_s, "prompts to generate")
-        group = _Group(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
+        group = PromptGroup(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
         self._waiting.append(group)
         self._wake.set()
         if self.on_work is not None:
@@ -177,72 +139,20 @@ class Generator(ConsumerLoop):
                 self._waiting.remove(group)
 
     # --- the loop (event loop side) --------------------------------------------------------------------------------
-    def _final_length(self, group: _Group) -> int:
+    def _final_length(self, group: PromptGroup) -> int:
         """The longest a row of this prompt can grow: prompt + max_tokens, within the model's length."""
         return min(len(group.prompt_ids) + group.params.max_tokens, self.loaded.max_length)
 
-    def _admit(self) -> list[_Admission]:
-        """Choices of waiting prompts that fit, first come first served: decode rows under max_batch_size and
-        max_rows_per_request per prompt, the prefill under max_batch_tokens, the cache under max_cache_tokens and the
-        memory budget. A prompt's choices are admitted as far as they fit; the rest wait for rows to free up. With
-        nothing running, one choice of the first prompt is always taken, so a big request is never stuck.
-
-        The cache is rows x the batch's width, and the width grows by one every step, so choices are admitted only
-        if every row could reach its final length within the budgets: they hold at every step, not only now."""
+    def _admit(self) -> list[Admission]:
+        """Choices of waiting prompts that join the batch at the next step (app/engine/decode_admission.py)."""
         self._waiting = [g for g in self._waiting if not g.cancelled]
         if not self.admitting and self._rows:
             return []
-        admitted: list[_Admission] = []
-        rows = len(self._rows)
-        held = Counter(c.group for c in self._rows)  # rows each prompt holds now
-        final = max((self._final_length(c.group) for c in self._rows), default=0)
-        longest = 0
-        for group in list(self._waiting):
-            new_longest = max(longest, len(group.prompt_ids))
-            new_final = max(final, self._final_length(group))
-            prefill_rows = len(admitted) + 1
-            remaining = group.params.n - group.started
-            forced = not admitted and not self._rows
-            if group.params.max_tokens == 0:  # answered by the prefill alone: no decode rows
-                if not forced and not self._fits(rows, final, prefill_rows, new_longest):
-                    break
-                count = remaining
-            else:
-                wanted = min(remaining, self.max_rows_per_request - held[group], self.max_batch_size - rows)
-                if wanted <= 0:
-                    if held[group]:
-                        continue  # at its share of rows: the prompts behind it may take the others
-                    break  # the batch is full
-                count = self._fitting(rows, wanted, new_final, prefill_rows, new_longest)
-                if count == 0:
-                    if not forced:
-                        break  # first come, first served: nobody overtakes the head of the queue
-                    count = 1
-            admitted.append(_Admission(group, group.started, count))
-            group.started += count
-            if group.started == group.params.n:
-                self._waiting.remove(group)
-            if group.params.max_tokens:
-                rows += count
-                held[group] += count
-                final = new_final
-            longest = new_longest
+        limits = RowLimits(self.max_batch_size, self.max_rows_per_request, self.max_batch_tokens,
+                           self.max_cache_tokens, self.fits_memory)
+        admitted = plan_admissions(self._waiting, [c.group for c in self._rows], self._final_length, limits)
+        self._waiting = [g for g in self._waiting if g.started < g.params.n]
         return admitted
-
-    def _fits(self, rows: int, final: int, prefill_rows: int, longest: int) -> bool:
-        return (longest * prefill_rows <= self.max_batch_tokens and rows * final <= self.max_cache_tokens
-                and self.fits_memory(rows, final, prefill_rows, longest))
-
-    def _fitting(self, rows: int, wanted: int, final: int, prefill_rows: int, longest: int) -> int:
-        """The most of `wanted` new rows (0 when none) that fit beside `rows`, by bisection (fit is monotone)."""
-        low, high = 0, max(0, wanted)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._fits(rows + mid, final, prefill_rows, longest):
-                low = mid
-            else:
-                high = mid - 1
-        return low
 
     async def run_once(self) -> None:
         """Admit what fits, then one step on the executor: prefill of the admitted prompts + one decode step."""
@@ -282,9 +192,9 @@ class Generator(ConsumerLoop):
         self._rows, self._batch, self._waiting, self._admitting = [], None, [], []
 
     # --- one step (worker thread) ----------------------------------------------------------------------------------
-    def _step(self, admitted: list[_Admission]) -> list[tuple[_Group, object]]:
+    def _step(self, admitted: list[Admission]) -> list[tuple[PromptGroup, object]]:
         """Drop cancelled rows, prefill the admitted prompts, then one decode step for every running row."""
-        events: list[tuple[_Group, object]] = []
+        events: list[tuple[PromptGroup, object]] = []
         keep = [i for i, c in enumerate(self._rows) if not c.group.cancelled]
         if len(keep) != len(self._rows):
             self._keep_rows(keep)
@@ -294,10 +204,10 @@ class Generator(ConsumerLoop):
             self._decode(events)
         return events
 
-    def _prefill_isolated(self, groups: list[_Admission], events: list) -> None:
+    def _prefill_isolated(self, groups: list[Admission], events: list) -> None:
         """Prefill the admitted prompts together; if that fails, split them, so only a prompt that fails on its own
         gets an error and neither the other newcomers nor the rows already decoding are touched."""
-        staged: list[tuple[_Group, object]] = []  # nothing is reported for an attempt that fails part-way
+        staged: list[tuple[PromptGroup, object]] = []  # nothing is reported for an attempt that fails part-way
         try:
             self._prefill(groups, staged)
         except Exception:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
@@ -317,13 +227,13 @@ class Generator(ConsumerLoop):
         self._batch = select_rows(self._batch, keep) if keep else None
 
     @torch.inference_mode()
-    def _prefill(self, admissions: list[_Admission], events: list) -> None:
+    def _prefill(self, admissions: list[Admission], events: list) -> None:
         model, device = self.loaded.model, self.loaded.device
         hidden, batch = prefill(model, [a.group.prompt_ids for a in admissions], self.loaded.pad_token_id)  # [b, T, H]
         width = hidden.shape[1]
         last_logits = head_logits(model, hidden[:, -1, :])  # [b, V]
         new_rows: list[int] = []  # batch row of each new choice
-        new_choices: list[_Choice] = []
+        new_choices: list[Choice] = []
         for row, (group, first, count) in enumerate(admissions):
             params = group.params
             if params.prompt_logprobs and first == 0:  # once per prompt, with its first choices
@@ -337,7 +247,7 @@ class Generator(ConsumerLoop):
                 events.append((group, _DONE))
                 continue
             for index in range(first, first + count):
-                new_choices.append(_Choice(group, index, seeded_generator(params.seed, index, device)))
+                new_choices.append(Choice(group, index, seeded_generator(params.seed, index, device)))
                 new_rows.append(row)
         if not new_choices:
             return
@@ -360,8 +270,8 @@ class Generator(ConsumerLoop):
             self._batch = merge(self._batch, batch)  # rows in the same order as self._rows
 
     @torch.inference_mode()
-    def _decode_isolated(self, rows: list[_Choice], batch: DecodeBatch, events: list
-                         ) -> list[tuple[list[_Choice], DecodeBatch]]:
+    def _decode_isolated(self, rows: list[Choice], batch: DecodeBatch, events: list
+                         ) -> list[tuple[list[Choice], DecodeBatch]]:
         """Decode `rows` (the rows of `batch`, in order); returns the (rows, batch) pieces still running."""
         width = batch.width
         next_tokens = torch.tensor([c.next_token for c in rows], dtype=torch.long)  # [B]
@@ -385,7 +295,7 @@ class Generator(ConsumerLoop):
             rows, batch = [rows[i] for i in running], select_rows(batch, running)
         return [(rows, batch)]
 
-    def _sample_and_report(self, choices: list[_Choice], logits: torch.Tensor, events: list) -> list[int]:
+    def _sample_and_report(self, choices: list[Choice], logits: torch.Tensor, events: list) -> list[int]:
         """Sample one token per choice from logits [c, V], report it, and return the indices still running."""
         params = [c.group.params for c in choices]
         processed = self._penalized(logits, choices)  # [c, V]; the same tensor when no row has penalties
@@ -419,7 +329,7 @@ class Generator(ConsumerLoop):
                     events.append((choice.group, _DONE))
         return running
 
-    def _advance(self, choice: _Choice, token: int) -> str | None:
+    def _advance(self, choice: Choice, token: int) -> str | None:
         """Append a sampled token; return the finish reason when the choice is done."""
         params = choice.group.params
         choice.output_ids.append(token)
@@ -443,7 +353,7 @@ class Generator(ConsumerLoop):
             return "length"
         return None
 
-    def _penalized(self, logits: torch.Tensor, choices: list[_Choice]) -> torch.Tensor:
+    def _penalized(self, logits: torch.Tensor, choices: list[Choice]) -> torch.Tensor:
         """Presence and frequency penalties over each choice's generated tokens (OpenAI's definition)."""
         rows = [i for i, c in enumerate(choices) if c.group.params.penalized and c.output_ids]
         if not rows:
@@ -456,7 +366,7 @@ class Generator(ConsumerLoop):
             out[i] -= counts.to(out.dtype) * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
         return out
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, group: _Group) -> list[PositionLogprobs | None]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, group: PromptGroup) -> list[PositionLogprobs | None]:
         """hidden [L, H] of one prompt -> the logprob of tokens 1..L-1, each read from the position before it."""
         ids = group.prompt_ids
         positions: list[PositionLogprobs | None] = [None]
