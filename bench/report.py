@@ -206,10 +206,12 @@ def markdown(results: dict, summary: dict) -> str:
     servers = [(system, srv) for system, s in summary["systems"].items() for srv in (s.get("servers") or [])]
     if servers:
         lines += ["", "### vLLM servers", "", "| system | workloads | prefix caching | ready after start s | "
-                  "peak RSS MiB (processes) | PSS MiB |", "| --- | --- | --- | ---: | ---: | ---: |"]
+                  "compiled at start | peak RSS MiB (processes) | PSS MiB |",
+                  "| --- | --- | --- | ---: | --- | ---: | ---: |"]
         for system, srv in servers:
             lines.append(f"| {system} | {', '.join(srv['workloads'])} | {'on' if srv['prefix_caching'] else 'off'} | "
-                         f"{srv['ready_s']:.1f} | {srv['peak_rss_mb']:.0f} ({srv['processes']}) | {srv['pss_mb']:.0f} |")
+                         f"{srv['ready_s']:.1f} | {'yes' if srv.get('compiled') else 'no (cached)'} | "
+                         f"{srv['peak_rss_mb']:.0f} ({srv['processes']}) | {srv['pss_mb']:.0f} |")
     counted = [(system, w, level, counters) for system, s in summary["systems"].items()
                for w, by in s["by_workload"].items() for level, counters in by["cache_counters"].items()
                if counters and any(counters.values())]

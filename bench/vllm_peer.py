@@ -19,6 +19,15 @@ from bench.servers import free_port, prometheus_counters, wait_ready
 SERVED_NAME = "smollm2-peer"
 
 
+def preload_libraries(python: str) -> str:
+    """LD_PRELOAD as vLLM's CPU guide sets it: tcmalloc (Debian's libtcmalloc-minimal4) and the venv's Intel OpenMP."""
+    found = [str(p) for p in sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))[:1]]
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        found.append(str(iomp))
+    return ":".join(found)
+
+
 def find_vllm_python(explicit: str | None, repo_root: Path) -> str | None:
     """An explicit interpreter, else the one of the venv `make bench-peers` made (None when absent)."""
     if explicit:
@@ -35,6 +44,7 @@ class VllmServer:
     base_url: str
     ready_s: float
     log_path: Path
+    compiled: bool = False  # whether this start compiled its graphs (else they came from VLLM_CACHE_ROOT)
 
     def memory(self) -> dict:
         return tree_memory_mb(self.process.pid)
@@ -66,6 +76,11 @@ def start_vllm(python: str, model_dir: Path, dtype: str, prefix_caching: bool, b
                # /reset_prefix_cache is a dev-mode route; the bench empties the cache before each pass.
                VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # its venv only: nothing of genscore's on its path
+    preload = preload_libraries(python)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    # Its compiled graphs are cached next to the bench's other caches: a first start compiles, later ones load.
+    env.setdefault("VLLM_CACHE_ROOT", str(log_path.parent / "vllm-cache"))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with log_path.open("w") as log:
@@ -80,6 +95,7 @@ def start_vllm(python: str, model_dir: Path, dtype: str, prefix_caching: bool, b
         server.stop()
         raise
     server.ready_s = time.perf_counter() - started
+    server.compiled = "saved AOT compiled function" in log_path.read_text(errors="replace")
     return server
 
 
