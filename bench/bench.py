@@ -138,7 +138,8 @@ def genscore_prefix_cache_mb(workloads: dict, levels: dict, model: dict, dtype: 
 
     Each timed pass sends the same queries in the same order, so an LRU cache that holds them all would
     serve a later pass what an earlier one computed, and measure repeats instead of new queries (vLLM's
-    cache is emptied before each pass for the same reason). None: no query-sharing workload, keep the default.
+    cache is emptied before each pass for the same reason). None: keep the default (no query-sharing workload,
+    or one whose every query is in flight at once, where no size can tell passes apart).
     """
     per_token = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * (2 if dtype == "bfloat16" else 4)
     sized = None
@@ -147,10 +148,11 @@ def genscore_prefix_cache_mb(workloads: dict, levels: dict, model: dict, dtype: 
             continue
         longest = max(len(r.query) for r in requests)
         need = (max(levels[name]) + 2) * longest * per_token
-        sized = max(sized or 0, need)
         if need >= sum(len(r.query) for r in requests) * per_token:
-            log(f"  {name}: a cache for {max(levels[name]) + 2} queries holds every query of a pass; later "
-                "passes can reuse earlier ones' states (see the cache counters)")
+            log(f"  {name}: the queries in flight at concurrency {max(levels[name])} are every query of a pass; "
+                "later passes may reuse earlier ones' states (see the cache counters)")
+            continue
+        sized = max(sized or 0, need)
     return None if sized is None else round(sized / 2**20 + 0.5, 1)
 
 
