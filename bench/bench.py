@@ -181,12 +181,14 @@ def run_vllm(args, python: str, model_dir: Path, dtype: str, workloads: dict, le
         server = start_vllm(python, model_dir, dtype, caching, args.vllm_block_size if caching else None,
                             args.cache_dir.parent / f"vllm-{dtype}-{'cache' if caching else 'nocache'}.log",
                             args.threads, kv_cache_gib=args.vllm_kv_cache_gib)
-        log(f"  ready after {server.ready_s:.1f} s" + (" (compiled its graphs)" if server.compiled else ""))
+        log(f"  ready after {server.ready_s:.1f} s" + (" (compiled its graphs)" if server.compiled else "")
+            + (f"; its cached graphs failed to load: {server.cache_load_failure}" if server.cache_load_failure else ""))
         try:
             runs.update(asyncio.run(drive(lambda c, _n, url=server.base_url, rc=caching: VllmClient(url, c, rc),
                                           group, levels, args.warmup, args.repeats)))
             servers.append({"workloads": list(group), "prefix_caching": caching, "ready_s": server.ready_s,
-                            "compiled": server.compiled, **server.memory()})
+                            "compiled": server.compiled, "cache_load_failure": server.cache_load_failure,
+                            **server.memory()})
         finally:
             server.stop()
     return {"dtype": dtype, "runs": runs, "servers": servers, "ready_s": servers[0]["ready_s"],

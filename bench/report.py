@@ -131,6 +131,13 @@ def _claims(systems: dict, workloads: list[str]) -> dict:
     return claims
 
 
+def _compiled(server: dict) -> str:
+    if not server.get("compiled"):
+        return "no (from its cache)"
+    failure = server.get("cache_load_failure")
+    return f"yes (its cached graphs failed to load: {failure})" if failure else "yes"
+
+
 def _fmt(value, spec: str = ".1f", missing: str = "–") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
@@ -210,7 +217,7 @@ def markdown(results: dict, summary: dict) -> str:
                   "| --- | --- | --- | ---: | --- | ---: | ---: |"]
         for system, srv in servers:
             lines.append(f"| {system} | {', '.join(srv['workloads'])} | {'on' if srv['prefix_caching'] else 'off'} | "
-                         f"{srv['ready_s']:.1f} | {'yes' if srv.get('compiled') else 'no (cached)'} | "
+                         f"{srv['ready_s']:.1f} | {_compiled(srv)} | "
                          f"{srv['peak_rss_mb']:.0f} ({srv['processes']}) | {srv['pss_mb']:.0f} |")
     counted = [(system, w, level, counters) for system, s in summary["systems"].items()
                for w, by in s["by_workload"].items() for level, counters in by["cache_counters"].items()

@@ -45,6 +45,7 @@ class VllmServer:
     ready_s: float
     log_path: Path
     compiled: bool = False  # whether this start compiled its graphs (else they came from VLLM_CACHE_ROOT)
+    cache_load_failure: str | None = None  # why the graphs cached by an earlier start could not be loaded
 
     def memory(self) -> dict:
         return tree_memory_mb(self.process.pid)
@@ -95,7 +96,10 @@ def start_vllm(python: str, model_dir: Path, dtype: str, prefix_caching: bool, b
         server.stop()
         raise
     server.ready_s = time.perf_counter() - started
-    server.compiled = "saved AOT compiled function" in log_path.read_text(errors="replace")
+    text = log_path.read_text(errors="replace")
+    server.compiled = "saved AOT compiled function" in text
+    failed = re.search(r"Compiling model again due to a load failure .*reason: (.*)", text)
+    server.cache_load_failure = failed.group(1).strip() if failed else None
     return server
 
 
