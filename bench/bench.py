@@ -147,7 +147,7 @@ def genscore_prefix_cache_mb(workloads: dict, levels: dict, model: dict, dtype: 
         if not shares_query(name):
             continue
         longest = max(len(r.query) for r in requests)
-        need = (max(levels[name]) + 2) * longest * per_token
+        need = (max(levels[name]) + 1) * longest * per_token  # the requests in flight, and the next one
         if need >= sum(len(r.query) for r in requests) * per_token:
             log(f"  {name}: the queries in flight at concurrency {max(levels[name])} are every query of a pass; "
                 "later passes may reuse earlier ones' states (see the cache counters)")
