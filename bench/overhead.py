@@ -6,8 +6,8 @@ Layers, innermost first, each measured one request at a time on the short-prompt
 the model's packed forward alone, Scorer.run_batch (adds the sampler and result rows), the same on
 the device thread, Engine.score (adds the tokenizer thread, the batcher and its max-wait), the /score
 serving function (adds request and response objects), and POST /score on a `genscore serve`
-subprocess (adds HTTP, uvicorn and the client). Each layer's median minus the one inside it is that
-layer's cost. With --cprofile N, the N functions of the event-loop thread with the most own time
+subprocess (adds HTTP, uvicorn and the client), with the server's own share of it from its access
+log. Each layer's median minus the one inside it is that layer's cost. With --cprofile N, the N functions of the event-loop thread with the most own time
 during Engine.score, and of run_batch, are printed.
 """
 
@@ -19,12 +19,14 @@ import cProfile
 import io
 import os
 import pstats
+import re
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+_ACCESS_MS = re.compile(r'"POST /score HTTP/[\d.]+" 200 ([\d.]+) ms')
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
         for max_wait_ms in (settings.max_wait_ms, 0.0):
             server = start_genscore(args.model, args.dtype, args.cache_dir,
                                     args.cache_dir.parent / f"overhead-{args.dtype}.log",
-                                    extra_args=("--max-wait-ms", str(max_wait_ms), "--no-access-log"))
+                                    extra_args=("--max-wait-ms", str(max_wait_ms)))
             try:
                 async def over_http(url=server.base_url) -> list[float]:
                     client = GenscoreClient(url, 1)
@@ -167,6 +169,11 @@ def main(argv=None) -> int:
                              asyncio.run(over_http())))
             finally:
                 server.stop()
+            # The access log's duration runs from the outermost ASGI middleware to the response's last byte:
+            # the server's share of the client's time (the rest is uvicorn's HTTP parsing, the socket, httpx).
+            served = [float(ms) / 1e3 for ms in _ACCESS_MS.findall(server.log_path.read_text())][2:]
+            if served:
+                rows.append((f"  of which in the server's ASGI app (access log, max_wait_ms {max_wait_ms:g})", served))
 
     tokens = [len(r.query) for r in requests]
     print(f"{args.model} {args.dtype}, {len(requests)} prompts of {min(tokens)}-{max(tokens)} tokens, concurrency 1, "
