@@ -95,7 +95,8 @@ def create_app(
             if model is None:
                 log.info("loading model %s (device=%s, dtype=%s)", settings.model, settings.device, settings.dtype)
                 model = await asyncio.to_thread(
-                    load_model, settings.model, settings.device, settings.dtype, settings.cache_dir
+                    load_model, settings.model, settings.device, settings.dtype, settings.cache_dir,
+                    batch_invariant=settings.batch_invariant,
                 )
             dtype_name = str(model.dtype).removeprefix("torch.")
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,

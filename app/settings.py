@@ -127,6 +127,9 @@ class Settings(BaseSettings):
     """Memory for the key/value states of recent shared prefixes, reused across batches and requests (0: off)."""
     max_candidates: int = Field(default=256, ge=1)
     """Most `candidates` in one /score request."""
+    batch_invariant: bool = False
+    """A request's numbers are bit-identical alone and in any batch (fixed-shape kernels; proven at load, reported in
+    /v1/models as the `batch_invariant` fast path)."""
 
     # --- reranking ---
     rerank_format: str = "chat"

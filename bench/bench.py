@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="naive,inprocess,genscore,llama,vllm",
                    help="which systems to run (naive, inprocess, genscore, llama, vllm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="genscore and vLLM dtypes")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run genscore with --batch-invariant (its systems are named '... invariant')")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: .cache/bench/bin, then PATH)")
     p.add_argument("--llama-slots", type=int, default=8, help="llama-server parallel slots")
     p.add_argument("--llama-top-k", type=int, default=20, help="n_probs asked of llama-server")
@@ -249,8 +251,11 @@ def main(argv=None) -> int:
 
         for dtype in dtypes:
             short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+            if args.batch_invariant:
+                short += " invariant"
             cache_mb = genscore_prefix_cache_mb(workloads, levels, results["model"], dtype)
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
+            genscore_settings["batch_invariant"] = args.batch_invariant
             if "inprocess" in systems:
                 log(f"genscore Engine in-process ({dtype})")
                 out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
@@ -260,7 +265,7 @@ def main(argv=None) -> int:
                 log(f"genscore over HTTP ({dtype})" + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
                 extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
                 server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log",
-                                        extra_args=extra)
+                                        batch_invariant=args.batch_invariant, extra_args=extra)
                 try:
                     runs = asyncio.run(drive(lambda c, _n, url=server.base_url: GenscoreClient(url, c), workloads,
                                              levels, args.warmup, args.repeats))

@@ -79,10 +79,12 @@ def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s
 
 
 def start_genscore(model: str, dtype: str, cache_dir: Path, log_path: Path, timeout_s: float = 300,
-                   extra_args: tuple[str, ...] = ()) -> Server:
+                   batch_invariant: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model, "--dtype", dtype, "--cache-dir", str(cache_dir),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *extra_args]
+    if batch_invariant:
+        cmd.append("--batch-invariant")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return _start(cmd, "/ready", log_path, port, timeout_s, env)
 

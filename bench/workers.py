@@ -72,7 +72,8 @@ def engine(spec: dict) -> dict:
     settings = Settings(model=spec["model"], dtype=spec["dtype"], cache_dir=Path(spec["cache_dir"]),
                         **spec.get("settings", {}))
     started = time.perf_counter()
-    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir)
+    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir,
+                        batch_invariant=settings.batch_invariant)
     load_s = time.perf_counter() - started
 
     async def main() -> dict:

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from models.forward import pad_left
 from models.head import head_logits
@@ -75,7 +76,17 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=layers)
+    """A cache holding these tensors themselves: DynamicCache(ddp_cache_data=...) would copy every layer once more
+    (its update concatenates onto an empty tensor), so merge and select_rows would peak at three caches, not two."""
+    cache = DynamicCache()
+    built = []
+    for keys, values in layers:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys.contiguous(), values.contiguous()  # [B, H_kv, T, D]
+        built.append(layer)
+    cache.layers = built
+    return cache
 
 
 @torch.inference_mode()
@@ -85,7 +96,8 @@ def select_rows(batch: DecodeBatch, rows: Sequence[int]) -> DecodeBatch:
     mask = batch.attention_mask.index_select(0, index)  # [b, T]
     real_columns = mask.any(dim=0).nonzero()
     start = int(real_columns[0]) if len(real_columns) else mask.shape[1]
-    layers = [(k.index_select(0, index.to(k.device))[:, :, start:], v.index_select(0, index.to(v.device))[:, :, start:])
+    # trim before selecting: index_select then writes the kept columns only, into fresh contiguous tensors
+    layers = [(k[:, :, start:].index_select(0, index.to(k.device)), v[:, :, start:].index_select(0, index.to(v.device)))
               for k, v in _layers(batch.cache)]
     return DecodeBatch(_cache_from(layers), mask[:, start:].contiguous())
 

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models.head import head_logits
+from models.invariant import is_batch_invariant
 from models.packed import pack, supports_packing
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
@@ -136,7 +137,9 @@ def forward_logits(
     into rows of about PACK_TOKENS tokens, attention kept inside each sequence (models/packed.py),
     so no compute goes to padding; a model that cannot pack runs padded micro-batches of
     similar length instead (see plan_micro_batches). Each row's numbers do not depend on its
-    neighbours beyond float rounding. lm_head runs once, on the N kept hidden states only:
+    neighbours beyond float rounding; on a batch-invariant model (models/invariant.py) not at all: a packed
+    prompt sees the same kernels as alone, and a model that cannot pack runs each sequence alone, since a
+    padded layout changes the order attention sums in. lm_head runs once, on the N kept hidden states only:
     at V = 49k it would otherwise dominate the cost.
     """
     keep = [1] * len(sequences) if keep_last is None else list(keep_last)
@@ -147,7 +150,7 @@ def forward_logits(
             _packed_hidden(model, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
         ])  # [N, H]
         return head_logits(model, picked)
-    if model in _ONE_AT_A_TIME:
+    if model in _ONE_AT_A_TIME or is_batch_invariant(model):
         groups = [[i] for i in range(len(sequences))]
     else:
         groups = plan_micro_batches([len(seq) for seq in sequences])

@@ -11,6 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+from models.invariant import is_batch_invariant, tiled_head
+
 
 class _BodyOutput(BaseModelOutputWithPastAndCrossAttentions):
     """The body's output as the head reads it: the hidden states, and None for anything else a head asks for
@@ -29,7 +31,8 @@ class _GivenHidden(nn.Module):
         return _BodyOutput(last_hidden_state=inputs_embeds)
 
 
-# model -> a shallow copy of it whose body is _GivenHidden; built once per model, shares every other module
+# model -> {batch-invariant?: a shallow copy of it whose body is _GivenHidden}; built once per model and mode,
+# shares every other module
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -37,15 +40,22 @@ def _head_view(model: PreTrainedModel) -> PreTrainedModel:
     """A view of `model` that runs only what its forward does after the body, on hidden states it is given.
 
     A copy, not a swap on the model itself: the model's body stays in place for every other caller, and the
-    view shares lm_head, config and any scale parameters with it (no weights are copied).
+    view shares lm_head, config and any scale parameters with it (no weights are copied). For a batch-invariant
+    model the view's lm_head runs in fixed row tiles (models/invariant.py), the model's own stays as it is.
     """
-    head = _HEADS.get(model)
+    invariant = is_batch_invariant(model)
+    views = _HEADS.setdefault(model, {})
+    head = views.get(invariant)
     if head is None:
-        body_name = next(name for name, child in model.named_children() if child is model.base_model)
+        lm_head = model.get_output_embeddings()
         head = copy.copy(model)
         head._modules = dict(model._modules)  # a new dict: replacing the body must not touch the model's own
-        head._modules[body_name] = _GivenHidden()
-        _HEADS[model] = head
+        for name, child in model.named_children():
+            if child is model.base_model:
+                head._modules[name] = _GivenHidden()
+            elif invariant and child is lm_head:
+                head._modules[name] = tiled_head(child)
+        views[invariant] = head
     return head
 
 

@@ -155,13 +155,16 @@ def _load_pretrained(source: ModelSource, dtype: torch.dtype, cache_root: Path |
 
 
 def load_model(
-    spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None, optimize: bool = True
+    spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None, optimize: bool = True,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load the model named by `spec` onto the chosen device, in eval mode.
 
     optimize: install the fast paths that pass the load-time self-check (models/selfcheck.py): pre-packed
     linear weights on CPU (models/prepack.py), packed-sequence attention (models/packed.py), shared-prefix
     reuse. False leaves the model exactly as transformers loads it.
+    batch_invariant (with optimize): a request's numbers are bit-identical alone and in any batch
+    (models/invariant.py), proven at load; `fast_paths.batch_invariant` says whether it held.
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -184,7 +187,7 @@ def load_model(
     if optimize:
         # Last: the fast paths change modules in place, and nothing may move or re-cast the model after them.
         probe_vocab = min(vocab_size, model.get_input_embeddings().weight.shape[0])
-        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id))
+        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id), batch_invariant)
     else:
         reuse = supports_prefix_reuse(model)
         fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else NOT_PLAIN_ATTENTION),))

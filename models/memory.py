@@ -27,6 +27,9 @@ _LOGIT_COPIES = 8
 # Attention mask bytes per (query, key) pair of one sequence: transformers builds a bool [T, T] mask (a float one in
 # some paths) even when SDPA then runs a blocked kernel that never materialises the scores.
 _MASK_BYTES_PER_PAIR = 5
+# A response holds each returned number as a Python object in a list, then as JSON text: measured 73 bytes per
+# number at the peak of a 1,024 items x 1,024 labels /score with top 20 (3.2 M numbers, forward included).
+_RESPONSE_BYTES_PER_VALUE = 96
 # What a forward costs beyond its tensors: allocator slack, oneDNN scratch space and python objects (measured
 # flat part of the peak of a one-token pass).
 _FIXED_FORWARD_BYTES = 32 << 20
@@ -138,7 +141,10 @@ class MemoryModel:
         cache = rows * width * self.kv_bytes_per_token
         layer = -(-cache // self.num_layers)
         mask = rows * (width + 1) * 8
-        return 2 * (cache + mask) + layer
+        # In bfloat16 eight decode steps grew RSS by as much as in float32 (835 vs 878 MB, SmolLM2, 64 rows x 256):
+        # the transient is counted at float32 size until its cause (an upcast or heap holes) is found.
+        copy = cache * max(4 // self.element_bytes, 1)
+        return cache + copy + 2 * mask + layer
 
     def decode_step_bytes(self, rows: int, width: int) -> int:
         """Transient bytes of one decode step over rows x width on top of the cache (logits [rows, V], ...)."""
@@ -146,6 +152,11 @@ class MemoryModel:
         activations *= self.element_bytes
         masks = rows * (width + 1) * _MASK_BYTES_PER_PAIR + 2 * rows * (width + 1) * 8
         return _FIXED_FORWARD_BYTES + activations + masks + self.logits_bytes(rows)
+
+    @staticmethod
+    def response_bytes(values: int) -> int:
+        """Bytes to build and serialise a response of `values` numbers (labels, ranks, top-N entries, logprobs)."""
+        return values * _RESPONSE_BYTES_PER_VALUE
 
     def largest_rows(self, width: int, budget_bytes: int) -> int:
         """Most decode rows of final width `width` whose cache and step fit in `budget_bytes` (0 if not one)."""
@@ -233,6 +244,26 @@ def _libc():
         return None
     libc = ctypes.CDLL(name)
     return libc if hasattr(libc, "malloc_trim") else None  # glibc only; musl has no malloc_trim
+
+
+# glibc mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
+# Allocations at least this large get their own mapping, returned to the OS on free. glibc's default threshold
+# starts at 128 KiB and rises to the largest block freed so far (up to 32 MiB): after the first logits tensor every
+# KV layer is carved out of the heap, where a cache growing by one column per step leaves holes that its next,
+# larger copy cannot reuse (measured: peak 3.2x the live tensors, kept after the work ends; 2.0x with 1 MiB).
+DEFAULT_MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def configure_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold (and so stop its growth); call once at start-up. False where unavailable.
+
+    Same effect as MALLOC_MMAP_THRESHOLD_ in the environment, which a process cannot set for itself once started.
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes))
 
 
 def release_free_memory() -> bool:

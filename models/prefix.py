@@ -12,6 +12,11 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from models.forward import pad_left
+from models.invariant import is_batch_invariant
+
+# On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
+# suffixes of the same prefix and padded width, so the shape its attention and linears see is its own.
+SUFFIX_BUCKET_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,10 @@ def supports_prefix_reuse(model: PreTrainedModel) -> bool:
 
 @torch.inference_mode()
 def prefill(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
-    """Run each prefix once (left-padded together) and keep its key/value states and last hidden state."""
+    """Run each prefix once (left-padded together; alone on a batch-invariant model, where the padding would change
+    the order attention sums in) and keep its key/value states and last hidden state."""
+    if is_batch_invariant(model) and len(prefixes) > 1:
+        return [state for prefix in prefixes for state in prefill(model, [prefix], pad_token_id)]
     device = model.device
     input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
     cache = DynamicCache(config=model.config)
@@ -131,7 +139,26 @@ def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_toke
     Rows may hang off different prefixes. Prefixes are left-padded to the longest (padding
     masked out); suffixes are right-padded after them, so a real token never sees a pad and
     its position id is simply prefix length + offset, the position it has in a plain pass.
+    On a batch-invariant model rows are grouped by prefix and by suffix length rounded up to
+    SUFFIX_BUCKET_TOKENS, and each group runs at exactly that width: no row's layout depends on another's.
     """
+    if not is_batch_invariant(model):
+        return _suffix_pass(model, rows, pad_token_id)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, row in enumerate(rows):
+        width = -(-len(row.suffix) // SUFFIX_BUCKET_TOKENS) * SUFFIX_BUCKET_TOKENS
+        groups.setdefault((id(row.prefix), width), []).append(i)
+    blocks: list[torch.Tensor | None] = [None] * len(rows)
+    for (_, width), members in groups.items():
+        hidden = _suffix_pass(model, [rows[i] for i in members], pad_token_id, width)  # [sum of keep, H]
+        for i, block in zip(members, hidden.split([rows[i].keep for i in members])):
+            blocks[i] = block
+    return torch.cat(blocks)
+
+
+def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int,
+                 suffix_width: int | None = None) -> torch.Tensor:
+    """forward_suffixes in one model call, suffixes right-padded to suffix_width (default: the longest)."""
     device = model.device
     distinct: dict[int, int] = {}
     prefixes: list[PrefixState] = []
@@ -142,7 +169,8 @@ def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_toke
         if not 1 <= row.keep <= len(row.suffix) + 1:
             raise ValueError(f"keep must be in [1, len(suffix) + 1], got {row.keep} for {len(row.suffix)} tokens")
     prefix_width = max(p.length for p in prefixes)
-    suffix_width = max(len(row.suffix) for row in rows)
+    if suffix_width is None:
+        suffix_width = max(len(row.suffix) for row in rows)
 
     hidden = None
     if suffix_width > 0:

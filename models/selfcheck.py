@@ -13,7 +13,8 @@ from transformers import PreTrainedModel
 
 from models.forward import forward_logits, run_one_at_a_time
 from models.head import head_logits
-from models.packed import use_packed_attention
+from models.invariant import make_batch_invariant
+from models.packed import supports_packing, use_packed_attention
 from models.prefix import SuffixRow, forward_suffixes, prefill, supports_prefix_reuse
 from models.prepack import prepack_linears, restore_linears
 
@@ -37,6 +38,11 @@ _NO_WINDOW_LENGTH = 40
 _MAX_PROBE_LENGTH = 1024
 # Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
+# The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
+BATCH_INVARIANT = "batch_invariant"
+NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
+# Lengths of the neighbours the invariance check batches the probe sequences with.
+_NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class FastPaths:
 
     def enabled(self, name: str) -> bool:
         return any(check.name == name and check.enabled for check in self.checks)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every scoring path gives a row the same bits alone as in any batch (checked at load)."""
+        return self.enabled(BATCH_INVARIANT)
 
     def as_dict(self) -> dict:
         return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3),
@@ -143,8 +154,65 @@ def _check(name: str, tolerance: float, run) -> PathCheck:
     return PathCheck(name, True, error)
 
 
+def _batch_difference(model: PreTrainedModel, probe: _Probe, neighbours: list[list[int]], pad_token_id: int,
+                      prefix_reuse: bool) -> tuple[float, float | None]:
+    """Largest |logit difference| of each probe sequence alone against the same sequence batched with neighbours
+    (0.0 when bit-identical): through forward_logits, and (prefix_reuse) over prefilled prefixes."""
+    sequences, keep = probe.sequences, probe.keep
+    alone = torch.cat([forward_logits(model, [seq], pad_token_id, [k]) for seq, k in zip(sequences, keep)])
+    mixed = [neighbours[0], sequences[0], neighbours[1], sequences[1], neighbours[2], sequences[2], neighbours[3]]
+    mixed_keep = [1, keep[0], 2, keep[1], 1, keep[2], 3]
+    rows = forward_logits(model, mixed, pad_token_id, mixed_keep).split(mixed_keep)
+    batched = torch.cat([rows[1], rows[3], rows[5]])
+    forward = (alone - batched).abs().max().item()
+    if not prefix_reuse:
+        return forward, None
+
+    def suffix_logits(prefixes: list[list[int]], pairs: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        states = dict(zip(map(tuple, prefixes), prefill(model, prefixes, pad_token_id)))
+        return head_logits(model, forward_suffixes(
+            model, [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in pairs], pad_token_id))
+
+    short, suffixes = probe.short_prefix, probe.suffixes
+    alone = torch.cat([suffix_logits([short], [(short, suffixes[i], keep[i])]) for i in (1, 2)])
+    other = neighbours[1][:5]
+    rows = suffix_logits([probe.long_prefix, other, short], [
+        (probe.long_prefix, suffixes[0], keep[0]), (short, suffixes[1], keep[1]), (other, neighbours[2], 2),
+        (short, suffixes[2], keep[2]), (short, neighbours[3][:3], 1)]).split([keep[0], keep[1], 2, keep[2], 1])
+    return forward, (alone - torch.cat([rows[1], rows[3]])).abs().max().item()
+
+
+def _make_invariant(model: PreTrainedModel, probe: _Probe, vocab_size: int, max_length: int, pad_token_id: int,
+                    checks: list[PathCheck], original_attention: str) -> PathCheck:
+    """Make `model` batch-invariant and prove it on the probe; a path that still moves a row is switched off."""
+    generator = torch.Generator().manual_seed(1)
+    neighbours = [torch.randint(0, vocab_size, (min(n, max_length),), generator=generator).tolist()
+                  for n in _NEIGHBOUR_LENGTHS]
+    make_batch_invariant(model)
+    reuse = any(c.name == "shared_prefix" and c.enabled for c in checks)
+    try:
+        forward, prefix = _batch_difference(model, probe, neighbours, pad_token_id, reuse)
+        if forward != 0.0 and supports_packing(model):
+            # one sequence per call is the same call alone and in a batch
+            log.warning("packed batches move a row by %.3g on this model; running one sequence at a time", forward)
+            model.set_attn_implementation(original_attention)
+            run_one_at_a_time(model)
+            checks[:] = [PathCheck(c.name, False, c.difference, f"not batch-invariant (moved a row by {forward:.3g})")
+                         if c.name == "packed_batches" else c for c in checks]
+            forward, prefix = _batch_difference(model, probe, neighbours, pad_token_id, reuse)
+    except Exception as exc:  # noqa: BLE001 - a path that cannot run at all cannot be proven invariant
+        return PathCheck(BATCH_INVARIANT, False, None, f"{type(exc).__name__}: {exc}")
+    if prefix is not None and prefix != 0.0:
+        checks[:] = [PathCheck(c.name, False, prefix, f"not batch-invariant (moved a row by {prefix:.3g})")
+                     if c.name == "shared_prefix" else c for c in checks]
+    if forward != 0.0:
+        return PathCheck(BATCH_INVARIANT, False, forward, f"a batch moved a row by {forward:.3g}")
+    return PathCheck(BATCH_INVARIANT, True, 0.0)
+
+
 @torch.inference_mode()
-def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int, pad_token_id: int) -> FastPaths:
+def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int, pad_token_id: int,
+                       batch_invariant: bool = False) -> FastPaths:
     """Install each fast path on `model` and keep the ones that give the plain forward's numbers.
 
     Compared with the unmodified model's own forward on the same probe sequences (one of them longer
@@ -152,6 +220,8 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     or the load fails), pre-packed linear weights (CPU), packed sequences or else padded micro-batches
     (else one sequence at a time), and shared-prefix key/value reuse, which the prefix cache and
     multi-token candidates read as well. A path that disagrees or raises is left off and logged.
+    batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
+    on the probe sequences batched with others; a path that still moves a row is switched off.
     """
     started = time.perf_counter()
     tolerance = TOLERANCE.get(model.dtype, 0.1)
@@ -199,11 +269,16 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     else:
         checks.append(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
 
+    if batch_invariant:
+        checks.append(_make_invariant(model, probe, vocab_size, max_length, pad_token_id, checks, original_attention))
+    else:
+        checks.append(PathCheck(BATCH_INVARIANT, False, None, NOT_REQUESTED))
+
     report = FastPaths(tuple(checks), tolerance, time.perf_counter() - started)
     for check in checks:
         if check.enabled:
             log.info("fast path %s: on (difference %.2g from the plain forward)", check.name, check.difference)
-        elif check.difference is None and check.reason == NOT_PLAIN_ATTENTION:
+        elif check.difference is None and check.reason in (NOT_PLAIN_ATTENTION, NOT_REQUESTED):
             log.info("fast path %s: not used, %s", check.name, check.reason)
         else:
             log.warning("fast path %s: OFF, %s", check.name, check.reason)

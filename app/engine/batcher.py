@@ -89,6 +89,7 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         self.on_work = on_work  # told when work is queued (the engine core's wake-up)
         self._queue: asyncio.Queue[_Pending[W]] = asyncio.Queue()
         self._carry: _Pending[W] | None = None  # a unit that did not fit the last batch goes first next time
+        self.held_for_room = False  # the first unit in line waits for memory (see _collect's must_fit)
         self._task: asyncio.Task | None = None
         self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
         self._admitted = 0  # submit() calls not yet answered
@@ -165,12 +166,15 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         except TimeoutError:
             return None
 
-    async def _collect(self, block: bool, max_tokens: int) -> list[_Pending[W]]:
+    async def _collect(self, block: bool, max_tokens: int, must_fit: bool) -> list[_Pending[W]]:
         """The first live unit (waiting for one if `block`, else [] when none is queued), then more until size,
-        `max_tokens` (padded tokens) or max wait closes the batch. The first unit is taken whatever its size."""
+        `max_tokens` (padded tokens) or max wait closes the batch. The first unit is taken whatever its size, unless
+        `must_fit`: then a first unit over `max_tokens` stays first in line, nothing runs, and `held_for_room`
+        says so until it runs."""
         batch: list[_Pending[W]] = []
         longest = 0
         deadline = None
+        self.held_for_room = False
         while len(batch) < self._max_batch_size:
             if batch:
                 timeout = max(0.0, deadline - time.perf_counter())
@@ -185,8 +189,9 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                 pending.future.set_exception(deadline_error())
                 continue
             new_longest = max(longest, pending.tokens)
-            if batch and new_longest * (len(batch) + 1) > max_tokens:
+            if (batch or must_fit) and new_longest * (len(batch) + 1) > max_tokens:
                 self._carry = pending
+                self.held_for_room = not batch
                 break
             pending.ticket.started = True
             batch.append(pending)
@@ -195,9 +200,10 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                 deadline = time.perf_counter() + self._max_wait_s
         return batch
 
-    async def run_once(self, block: bool = False, max_tokens: int | None = None) -> None:
+    async def run_once(self, block: bool = False, max_tokens: int | None = None, must_fit: bool = False) -> None:
         """Collect one batch (under `max_tokens`, default max_batch_tokens) and compute it on the executor."""
-        batch = await self._collect(block, min(self._max_batch_tokens, max_tokens or self._max_batch_tokens))
+        max_tokens = min(self._max_batch_tokens, max_tokens or self._max_batch_tokens)
+        batch = await self._collect(block, max_tokens, must_fit)
         # Not in a `finally`: if the loop itself is cancelled, fail_all must still see this batch.
         self._inflight = batch
         await self._run(batch)

@@ -5,7 +5,9 @@ thread. Typed work in (ScoreQuery, prompts + GenerationParams), typed results ou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +32,7 @@ from sampler import SamplingParams
 log = logging.getLogger("genscore.engine")
 
 DEVICE_THREAD = "genscore-device"  # the name of the one thread that runs model calls
+_TRIM_INTERVAL_S = 1.0  # giving freed heap back costs ~1 ms a time; once a second is plenty
 
 
 class Engine(ConsumerLoop):
@@ -71,8 +74,9 @@ class Engine(ConsumerLoop):
         # The memory budget is set once warm (it is measured from what the process then holds); until then only
         # the token limits apply.
         self.budget: MemoryBudget | None = None
-        self.scoring_tokens = settings.max_batch_tokens  # the most padded tokens of one scoring batch
+        self.scoring_tokens = settings.max_batch_tokens  # the most padded tokens a scoring batch can ever hold
         self._trim_due = False  # work ran since freed memory was last given back to the OS
+        self._trimmed_at = 0.0
 
     @property
     def share_prefixes(self) -> bool:
@@ -96,17 +100,27 @@ class Engine(ConsumerLoop):
         self._bound_memory()
 
     def _bound_memory(self) -> None:
-        """Split the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
+        """Set the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
         total = int(self.settings.memory_budget or default_memory_budget())
-        self.budget = MemoryBudget.split(MemoryModel.of(self.loaded), total, resident_bytes(),
-                                         self.scorer.prefix_cache.stats.capacity_bytes, self.settings.max_batch_tokens)
-        self.scoring_tokens = self.budget.scoring_tokens(self.settings.max_batch_tokens)
-        self.generator.fits_memory = self.budget.generation_fits
+        s = self.settings
+        # a /score of max_items prompts, each with its labels' values, scores and ranks and a top list (id, text, value)
+        largest_response = s.max_items * (3 * s.max_label_token_ids + 3 * s.max_top_logprobs)
+        budget = self.budget = MemoryBudget.of(MemoryModel.of(self.loaded), total, resident_bytes(),
+                                               self.scorer.prefix_cache.stats.capacity_bytes, largest_response,
+                                               s.max_batch_tokens)
+        self.scoring_tokens = budget.scoring_tokens(0, 0, s.max_batch_tokens)
+        self.generator.fits_memory = budget.generation_fits
         gib = 2**30
-        log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for scoring "
-                 "(batches up to %d tokens), %.2f GiB for decode rows and prefills", total / gib,
-                 self.budget.baseline_bytes / gib, self.budget.prefix_cache_bytes / gib,
-                 self.budget.scoring_bytes / gib, self.scoring_tokens, self.budget.generation_bytes / gib)
+        log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for responses, "
+                 "%.2f GiB for work (scoring batches up to %d tokens; decode rows leave %.2f GiB for scoring)",
+                 total / gib, budget.baseline_bytes / gib, budget.prefix_cache_bytes / gib, budget.response_bytes / gib,
+                 budget.work_bytes / gib, self.scoring_tokens, budget.scoring_reserve_bytes / gib)
+
+    def _scoring_allowance(self) -> int:
+        """Padded tokens the next scoring batch may hold beside the decode cache as it is now."""
+        if self.budget is None:
+            return self.settings.max_batch_tokens
+        return self.budget.scoring_tokens(*self.generator.cache_shape, self.settings.max_batch_tokens)
 
     async def stop(self) -> None:
         await super().stop()
@@ -120,13 +134,24 @@ class Engine(ConsumerLoop):
             self._wake.clear()
             if not (self.batcher.has_work or self.generator.has_work):
                 if self._trim_due:  # idle after work: hand the pages its peak left free back to the OS
+                    too_soon = self._trimmed_at + _TRIM_INTERVAL_S - time.monotonic()
+                    if too_soon > 0:  # at most one trim a second under a steady stream of short idle gaps
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), too_soon)
+                        continue
                     self._trim_due = False
                     await asyncio.get_running_loop().run_in_executor(self.device, release_free_memory)
+                    self._trimmed_at = time.monotonic()
                     continue
                 await self._wake.wait()
             self._trim_due = True
             if self.batcher.has_work:
-                await self.batcher.run_once(max_tokens=self.scoring_tokens)
+                # Beside a decode cache, a scoring unit that does not fit waits, and no new rows join until it has
+                # run (the running rows finish and free its room). With no cache the first unit always runs: it
+                # was checked against the whole budget at submit.
+                decoding = self.budget is not None and self.generator.running > 0
+                await self.batcher.run_once(max_tokens=self._scoring_allowance(), must_fit=decoding)
+            self.generator.admitting = not self.batcher.held_for_room
             if self.generator.has_work:
                 await self.generator.run_once()
 
@@ -170,13 +195,13 @@ class Engine(ConsumerLoop):
         if self.share_prefixes and (len(prompts) > 1 or candidates):
             shared = common_prefix_len(prompts)
         works = [ScoreWork(ids, params, shared, candidates) for ids in prompts]
-        for i, work in enumerate(works):
-            if work.cost > self.scoring_tokens:
-                raise InvalidRequestError(
-                    f"this prompt puts {work.cost} tokens through the model at once (one row per candidate), more "
-                    f"than the {self.scoring_tokens} that the server's memory budget allows in one scoring batch "
-                    "(--memory-budget); shorten it or send fewer candidates",
-                    param if len(prompts) == 1 and param == "query" else f"{param}[{i}]")
+        if self.budget is not None:
+            for i, work in enumerate(works):
+                if not self.budget.scoring_unit_fits(len(work.token_ids), work.candidates):
+                    raise InvalidRequestError(
+                        f"this prompt ({len(work.token_ids)} tokens, {max(1, len(candidates))} row(s)) does not fit "
+                        "the server's memory budget (--memory-budget) even alone; shorten it or send fewer "
+                        "candidates", param if param == "query" else f"{param}[{i}]")
         return await self.batcher.submit(works)
 
     def check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:

@@ -84,6 +84,7 @@ class Generator(ConsumerLoop):
         # Whether `rows` decoding rows of final length `final` fit the memory budget while a prefill of
         # `prefill_rows` x `prefill_width` runs (the engine core sets it; alone, only max_cache_tokens bounds it).
         self.fits_memory: Callable[[int, int, int, int], bool] = lambda rows, final, prefill_rows, width: True
+        self.admitting = True  # False while a scoring unit waits for the room new rows would take (engine core)
         self.max_queued_requests = settings.max_queued_requests
         self.retry_after_s = settings.retry_after_s
         # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
@@ -125,9 +126,10 @@ class Generator(ConsumerLoop):
         return bool(self._rows or self._waiting)
 
     @property
-    def reserved_tokens(self) -> int:
-        """Key/value slots the running rows may reach: rows x the longest final length (the cache is rectangular)."""
-        return len(self._rows) * max((self._final_length(c.group) for c in self._rows), default=0)
+    def cache_shape(self) -> tuple[int, int]:
+        """(rows, width) the decode cache may reach: the running rows x the longest final length (it is
+        rectangular)."""
+        return len(self._rows), max((self._final_length(c.group) for c in self._rows), default=0)
 
     @property
     def running(self) -> int:
@@ -188,6 +190,8 @@ class Generator(ConsumerLoop):
         The cache is rows x the batch's width, and the width grows by one every step, so choices are admitted only
         if every row could reach its final length within the budgets: they hold at every step, not only now."""
         self._waiting = [g for g in self._waiting if not g.cancelled]
+        if not self.admitting and self._rows:
+            return []
         admitted: list[_Admission] = []
         rows = len(self._rows)
         held = Counter(c.group for c in self._rows)  # rows each prompt holds now
