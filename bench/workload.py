@@ -1,4 +1,4 @@
-"""Deterministic benchmark workloads: single prompts of 20-200 tokens with 2-10 labels, and queries with items."""
+"""Deterministic benchmark workloads: single prompts with 2-10 labels (20-200 or 23-51 tokens), and queries with items."""
 
 from __future__ import annotations
 
@@ -64,16 +64,22 @@ def label_pool(tokenizer) -> list[int]:
     return pool
 
 
-def scoring_workload(tokenizer, n: int, seed: int = 0) -> list[BenchRequest]:
-    """n prompts of 20-200 tokens, each with 2-10 labels."""
+def scoring_workload(tokenizer, n: int, seed: int = 0, min_tokens: int = 20, max_tokens: int = 200
+                     ) -> list[BenchRequest]:
+    """n prompts of min_tokens-max_tokens tokens, each with 2-10 labels."""
     rng = random.Random(seed)
     pool = label_pool(tokenizer)
     out = []
     for _ in range(n):
-        query = _text_ids(tokenizer, rng, rng.randint(20, 200))
+        query = _text_ids(tokenizer, rng, rng.randint(min_tokens, max_tokens))
         labels = rng.sample(pool, rng.randint(2, 10))
         out.append(BenchRequest(query=query, labels=labels, prompts=[query]))
     return out
+
+
+def short_workload(tokenizer, n: int, seed: int = 2) -> list[BenchRequest]:
+    """n classification-style prompts of 23-51 tokens, each with 2-10 labels: per-request overhead dominates."""
+    return scoring_workload(tokenizer, n, seed=seed, min_tokens=23, max_tokens=51)
 
 
 def items_workload(tokenizer, n: int, seed: int = 1) -> list[BenchRequest]:
@@ -87,3 +93,32 @@ def items_workload(tokenizer, n: int, seed: int = 1) -> list[BenchRequest]:
         labels = rng.sample(pool, rng.randint(2, 5))
         out.append(BenchRequest(query=query, labels=labels, items=items, prompts=[query + it for it in items]))
     return out
+
+
+def yes_no_labels(tokenizer) -> list[int]:
+    """The token ids of " Yes" and " No", the labels of a relevance judgement."""
+    ids = [tokenizer(word, add_special_tokens=False)["input_ids"] for word in (" Yes", " No")]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f'" Yes" / " No" are not single tokens in this vocabulary: {ids}')
+    return [i[0] for i in ids]
+
+
+def long_items_workload(tokenizer, n: int, seed: int = 3) -> list[BenchRequest]:
+    """n queries of 150-400 tokens, each with 20-50 items of 8-30 tokens, labels " Yes" / " No" (reranking)."""
+    rng = random.Random(seed)
+    labels = yes_no_labels(tokenizer)
+    out = []
+    for _ in range(n):
+        query = _text_ids(tokenizer, rng, rng.randint(150, 400))
+        items = [_text_ids(tokenizer, rng, rng.randint(8, 30)) for _ in range(rng.randint(20, 50))]
+        out.append(BenchRequest(query=query, labels=labels, items=items, prompts=[query + it for it in items]))
+    return out
+
+
+# name -> (builder, the bench option giving its request count, whether its prompts share a query)
+WORKLOADS = {
+    "scoring": (scoring_workload, "scoring_requests", False),
+    "items": (items_workload, "items_requests", True),
+    "short": (short_workload, "short_requests", False),
+    "long-items": (long_items_workload, "long_items_requests", True),
+}
