@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import free_port
+from bench.servers import free_port, wait_ready
 
 # SmolLM2's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>): biased away so every choice runs to max_tokens,
 # the worst case the limits allow.
@@ -79,16 +79,12 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
         name, _, value = assignment.partition("=")
         env[name] = value
     process = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return process
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit("server not ready in 600 s")
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}/ready", 600, "genscore serve", log_path)
+    except RuntimeError as exc:
+        process.kill()
+        raise SystemExit(str(exc)) from None
+    return process
 
 
 def measure(client: httpx.Client, pid: int, name: str, path: str, body: dict) -> dict:

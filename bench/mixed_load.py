@@ -16,21 +16,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
+from bench.memory import proc_status_kb
+from bench.servers import wait_ready
+
 QUERY = "Is the following review positive? The food was good and the staff friendly, though the wait was long."
-
-
-def proc_memory(pid: int) -> dict[str, int]:
-    """VmHWM and VmRSS of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 async def score_for(client: httpx.AsyncClient, seconds: float, concurrency: int) -> list[float]:
@@ -79,14 +72,14 @@ async def measure(url: str, pid: int, args) -> None:
         mixed = await score_for(client, args.seconds, args.score_concurrency)
         still_generating = sum(not g.done() for g in gens)
         await asyncio.gather(*gens)
-    memory = proc_memory(pid)
+    memory = proc_status_kb(pid)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.generations} generation(s) of n={args.n} x "
           f"{args.max_tokens} tokens, {still_generating} still running when the mixed window closed")
     print(f"| /score, concurrency {args.score_concurrency} | prompts/s | p50 ms | p95 ms |")
     print("| --- | ---: | ---: | ---: |")
     print(row("alone", alone, args.seconds))
     print(row("while generating", mixed, args.seconds))
-    print(f"server peak RSS (VmHWM) {memory['VmHWM'] / 2**30:.2f} GiB, RSS after {memory['VmRSS'] / 2**30:.2f} GiB")
+    print(f"server peak RSS (VmHWM) {memory['VmHWM'] / 2**20:.2f} GiB, RSS after {memory['VmRSS'] / 2**20:.2f} GiB")
 
 
 def main() -> None:
@@ -101,19 +94,12 @@ def main() -> None:
     args = parser.parse_args()
     command = [sys.executable, "-m", "app.cli", "serve", "--port", str(args.port), "--dtype", args.dtype,
                "--no-access-log", "--request-timeout-s", "0"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = Path(".cache/bench/mixed_load_server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not become ready")
-            time.sleep(0.5)
+        wait_ready(server, f"{url}/ready", 300, "genscore serve", log_path)
         asyncio.run(measure(url, server.pid, args))
     finally:
         server.terminate()

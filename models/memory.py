@@ -246,26 +246,6 @@ def _libc():
     return libc if hasattr(libc, "malloc_trim") else None  # glibc only; musl has no malloc_trim
 
 
-# glibc mallopt parameters (malloc.h)
-_M_MMAP_THRESHOLD = -3
-# Allocations at least this large get their own mapping, returned to the OS on free. glibc's default threshold
-# starts at 128 KiB and rises to the largest block freed so far (up to 32 MiB): after the first logits tensor every
-# KV layer is carved out of the heap, where a cache growing by one column per step leaves holes that its next,
-# larger copy cannot reuse (measured: peak 3.2x the live tensors, kept after the work ends; 2.0x with 1 MiB).
-DEFAULT_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def configure_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold (and so stop its growth); call once at start-up. False where unavailable.
-
-    Same effect as MALLOC_MMAP_THRESHOLD_ in the environment, which a process cannot set for itself once started.
-    """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes))
-
-
 def release_free_memory() -> bool:
     """Give the pages of freed heap memory back to the OS (glibc malloc_trim(0)); False where unavailable.
 

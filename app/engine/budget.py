@@ -91,11 +91,6 @@ class MemoryBudget:
     def generation_fits(self, rows: int, final: int, prefill_rows: int, prefill_width: int) -> bool:
         return self.step_bytes(rows, final, prefill_rows, prefill_width) <= self.work_bytes - self.scoring_reserve_bytes
 
-    def as_dict(self) -> dict:
-        return {"total_bytes": self.total_bytes, "baseline_bytes": self.baseline_bytes,
-                "prefix_cache_bytes": self.prefix_cache_bytes, "response_bytes": self.response_bytes,
-                "work_bytes": self.work_bytes, "scoring_reserve_bytes": self.scoring_reserve_bytes}
-
 
 def resident_bytes() -> int:
     """This process's resident set size now (VmRSS)."""

@@ -167,10 +167,6 @@ class Engine(ConsumerLoop):
         """Run fn(*args) on the one tokenizer thread: long texts stall no one, and the tokenizer is never shared."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The model tokenizer's ids for text (call it on the tokenizer thread)."""
-        return self.loaded.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-
     def prepare_score(self, query: ScoreQuery):
         """A query's checked SamplingParams, prompts and candidates (runs on the tokenizer thread)."""
         params = self._score_prompts.sampling_params(query)
