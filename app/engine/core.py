@@ -74,7 +74,6 @@ class Engine(ConsumerLoop):
         # The memory budget is set once warm (it is measured from what the process then holds); until then only
         # the token limits apply.
         self.budget: MemoryBudget | None = None
-        self.scoring_tokens = settings.max_batch_tokens  # the most padded tokens a scoring batch can ever hold
         self._trim_due = False  # work ran since freed memory was last given back to the OS
         self._trimmed_at = 0.0
 
@@ -101,20 +100,20 @@ class Engine(ConsumerLoop):
 
     def _bound_memory(self) -> None:
         """Set the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
-        total = int(self.settings.memory_budget or default_memory_budget())
         s = self.settings
+        total = int(s.memory_budget or default_memory_budget())
         # a /score of max_items prompts, each with its labels' values, scores and ranks and a top list (id, text, value)
         largest_response = s.max_items * (3 * s.max_label_token_ids + 3 * s.max_top_logprobs)
         budget = self.budget = MemoryBudget.of(MemoryModel.of(self.loaded), total, resident_bytes(),
                                                self.scorer.prefix_cache.stats.capacity_bytes, largest_response,
                                                s.max_batch_tokens)
-        self.scoring_tokens = budget.scoring_tokens(0, 0, s.max_batch_tokens)
         self.generator.fits_memory = budget.generation_fits
         gib = 2**30
         log.info("memory budget %.2f GiB: %.2f GiB held at ready, %.2f GiB prefix cache, %.2f GiB for responses, "
                  "%.2f GiB for work (scoring batches up to %d tokens; decode rows leave %.2f GiB for scoring)",
                  total / gib, budget.baseline_bytes / gib, budget.prefix_cache_bytes / gib, budget.response_bytes / gib,
-                 budget.work_bytes / gib, self.scoring_tokens, budget.scoring_reserve_bytes / gib)
+                 budget.work_bytes / gib, budget.scoring_tokens(0, 0, s.max_batch_tokens),
+                 budget.scoring_reserve_bytes / gib)
 
     def _scoring_allowance(self) -> int:
         """Padded tokens the next scoring batch may hold beside the decode cache as it is now."""
