@@ -4,9 +4,11 @@ stack; its lifespan loads the model off the event loop, starts and warms the eng
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -24,7 +26,8 @@ from app.edge.auth import install_access_control
 from app.edge.limits import RequestGuard
 from app.edge.metrics import Metrics
 from app.edge.observability import ObservabilityMiddleware
-from app.engine.core import DEVICE_THREAD, Engine, set_torch_threads
+from app.engine.core import Engine, set_torch_threads
+from app.engine.device import DEVICE_THREAD, device_thread
 from app.settings import Settings
 from models import LoadedModel, load_model
 
@@ -88,22 +91,22 @@ def create_app(
     )
     starting: list[Engine] = []  # the engine while it warms up, so shutdown stops it even before it is ready
 
-    async def bring_up() -> None:
+    async def bring_up(device: ThreadPoolExecutor) -> None:
         try:
             set_torch_threads(settings)
             model = loaded
             if model is None:
                 log.info("loading model %s (device=%s, dtype=%s)", settings.model, settings.device, settings.dtype)
-                model = await asyncio.to_thread(
+                model = await asyncio.get_running_loop().run_in_executor(device, functools.partial(
                     load_model, settings.model, settings.device, settings.dtype, settings.cache_dir,
                     batch_invariant=settings.batch_invariant,
-                )
+                ))
             dtype_name = str(model.dtype).removeprefix("torch.")
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,
                      dtype_name, model.load_seconds, model.vocab_size, model.max_length)
             metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
             engine = Engine(model, settings, on_batch=metrics_registry.observe_batch,
-                            on_tokens=metrics_registry.observe_generation)
+                            on_tokens=metrics_registry.observe_generation, device=device)
             starting.append(engine)
             try:
                 app.state.rerank = RerankPrompts.bind(resolve_format(settings.rerank_format, model.tokenizer),
@@ -126,7 +129,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        bring_up_task = asyncio.create_task(bring_up(), name="genscore-bring-up")
+        # The model loads on the thread that then serves it (app/engine/device.py says why).
+        device = device_thread()
+        bring_up_task = asyncio.create_task(bring_up(device), name="genscore-bring-up")
         try:
             yield
         finally:
@@ -134,6 +139,7 @@ def create_app(
             bring_up_task.cancel()
             for engine in starting:
                 await engine.stop()
+            device.shutdown(wait=False)  # a load still running finishes on its own; nothing waits for it
 
     app = FastAPI(
         title="genscore",

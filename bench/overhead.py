@@ -69,26 +69,32 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
             params, prompts, candidates = eng.prepare_score(ScoreQuery(**body))
             works[id(body)] = [ScoreWork(ids, params, 0, candidates) for ids in prompts]
 
-        async def forward(body):
+        # Everything on the engine's device thread, where the model was loaded (app/engine/device.py says why).
+        def on_device(fn, *args):
+            return asyncio.get_running_loop().run_in_executor(eng.device, fn, *args)
+
+        def forward_one(body):
             with torch.inference_mode():
                 return forward_logits(loaded.model, [body["query"]], loaded.pad_token_id, keep_last=[1])
 
-        async def run_batch(body):
-            return eng.scorer.run_batch(works[id(body)])
+        async def forward(body):
+            return await on_device(forward_one, body)
 
-        async def run_batch_on_device(body):
-            return await asyncio.get_running_loop().run_in_executor(eng.device, eng.scorer.run_batch, works[id(body)])
+        async def run_batch(body):
+            return await on_device(eng.scorer.run_batch, works[id(body)])
 
         rows.append(("model forward (forward_logits, 1 prompt)", await _timed_async(forward, bodies, repeats)))
-        rows.append(("Scorer.run_batch (calling thread)", await _timed_async(run_batch, bodies, repeats)))
-        rows.append(("Scorer.run_batch (device thread)", await _timed_async(run_batch_on_device, bodies, repeats)))
+        rows.append(("Scorer.run_batch", await _timed_async(run_batch, bodies, repeats)))
         if cprofile:
-            profile = cProfile.Profile()
-            profile.enable()
-            for body in bodies:
-                eng.scorer.run_batch(works[id(body)])
-            profile.disable()
-            profiles["Scorer.run_batch"] = profile
+            def profiled() -> cProfile.Profile:
+                profile = cProfile.Profile()  # profiles the thread it is enabled on
+                profile.enable()
+                for body in bodies:
+                    eng.scorer.run_batch(works[id(body)])
+                profile.disable()
+                return profile
+
+            profiles["Scorer.run_batch"] = await on_device(profiled)
 
     async def engine_score(body):
         return await eng.score(ScoreQuery(**body))
@@ -125,13 +131,15 @@ def main(argv=None) -> int:
     import torch
 
     from app.engine.core import Engine
+    from app.engine.device import device_thread
     from app.settings import Settings
     from bench.servers import GenscoreClient, start_genscore
     from bench.workload import short_workload
     from models import load_model
 
     settings = Settings(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir)
+    device = device_thread()  # loads the model and runs every engine below, as genscore serve does
+    loaded = device.submit(load_model, settings.model, settings.device, settings.dtype, settings.cache_dir).result()
     requests = short_workload(loaded.tokenizer, args.requests)
     bodies = [r.score_body() for r in requests]
     rows: list[tuple[str, list[float]]] = []
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
 
     async def in_process() -> None:
         for max_wait_ms in (settings.max_wait_ms, 0.0):
-            eng = Engine(loaded, settings.model_copy(update={"max_wait_ms": max_wait_ms}))
+            eng = Engine(loaded, settings.model_copy(update={"max_wait_ms": max_wait_ms}), device=device)
             eng.start()
             await eng.warm_up()
             try:

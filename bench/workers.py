@@ -66,18 +66,20 @@ def engine(spec: dict) -> dict:
     from app.api.score import serving
     from app.api.score.protocol import ScoreRequest
     from app.engine.core import Engine
+    from app.engine.device import device_thread
     from app.settings import Settings
     from models import load_model
 
     settings = Settings(model=spec["model"], dtype=spec["dtype"], cache_dir=Path(spec["cache_dir"]),
                         **spec.get("settings", {}))
     started = time.perf_counter()
-    loaded = load_model(settings.model, settings.device, settings.dtype, settings.cache_dir,
-                        batch_invariant=settings.batch_invariant)
+    device = device_thread()  # the model loads on the thread that serves it, as in genscore serve
+    loaded = device.submit(load_model, settings.model, settings.device, settings.dtype, settings.cache_dir,
+                           batch_invariant=settings.batch_invariant).result()
     load_s = time.perf_counter() - started
 
     async def main() -> dict:
-        eng = Engine(loaded, settings)
+        eng = Engine(loaded, settings, device=device)
         eng.start()
         await eng.warm_up()
 

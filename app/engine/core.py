@@ -15,6 +15,7 @@ import torch
 
 from app.engine.batcher import Batcher, BatchStats
 from app.engine.budget import MemoryBudget, resident_bytes
+from app.engine.device import DEVICE_THREAD, device_thread
 from app.engine.generation import Generator
 from app.engine.inputs import InputChecks
 from app.engine.loop import ConsumerLoop
@@ -31,7 +32,6 @@ from sampler import SamplingParams
 
 log = logging.getLogger("genscore.engine")
 
-DEVICE_THREAD = "genscore-device"  # the name of the one thread that runs model calls
 _TRIM_INTERVAL_S = 1.0  # giving freed heap back costs ~1 ms a time; once a second is plenty
 
 
@@ -42,13 +42,17 @@ class Engine(ConsumerLoop):
 
     task_name = "genscore-engine"
 
-    def __init__(self, loaded: LoadedModel, settings: Settings, on_batch=None, on_tokens=None):
+    def __init__(self, loaded: LoadedModel, settings: Settings, on_batch=None, on_tokens=None,
+                 device: ThreadPoolExecutor | None = None):
         self.loaded = loaded
         self.settings = settings
         self.model_name = settings.model_name
         self.checks = InputChecks(settings.model_name, loaded.vocab_size, loaded.max_length, settings)
         self.max_prompt_tokens = self.checks.max_prompt_tokens
-        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)
+        # The thread the model was loaded on (app/engine/device.py says why it must be the same one); whoever
+        # passes it in shuts it down, a thread of the engine's own is shut down at stop.
+        self._owns_device = device is None
+        self.device = device or device_thread()
         # Tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
         # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
@@ -123,7 +127,8 @@ class Engine(ConsumerLoop):
 
     async def stop(self) -> None:
         await super().stop()
-        self.device.shutdown(wait=True)
+        if self._owns_device:
+            self.device.shutdown(wait=True)
         self._tokenizer_thread.shutdown(wait=True)
 
     # --- the scheduler ---------------------------------------------------------------

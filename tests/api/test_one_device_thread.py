@@ -1,5 +1,5 @@
-"""Scoring batches and generation steps run on one thread: a mixed load of concurrent /score requests and streamed
-completions never drives the model from two threads."""
+"""Every model call runs on one thread: the model's load and self-check, and then a mixed load of concurrent /score
+requests and streamed completions (two threads would mean two OpenMP teams; app/engine/device.py says why that is slow)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+import app.main
 from app.main import DEVICE_THREAD, create_app
 from tests.api.conftest import tiny_settings
-from tests.conftest import live_server
+from tests.conftest import live_server, wait_ready
 
 
 def test_mixed_load_runs_every_model_call_on_the_device_thread(tiny_loaded):
@@ -43,3 +44,27 @@ def test_mixed_load_runs_every_model_call_on_the_device_thread(tiny_loaded):
         hook.remove()
     assert threads and all(name.startswith(DEVICE_THREAD) for name in threads), threads
     assert len(threads) == 1, threads
+
+
+def test_the_model_loads_on_the_thread_that_serves_it(tiny_model_dirs, monkeypatch):
+    load_threads: list[int] = []
+    serve_threads: set[int] = set()
+    real_load = app.main.load_model
+
+    def recording_load(*args, **kwargs):
+        load_threads.append(threading.get_ident())
+        loaded = real_load(*args, **kwargs)
+        loaded.model.get_input_embeddings().register_forward_pre_hook(
+            lambda _module, _args: serve_threads.add(threading.get_ident()))
+        return loaded
+
+    monkeypatch.setattr(app.main, "load_model", recording_load)
+    settings = tiny_settings().model_copy(update={"model": str(tiny_model_dirs["llama"])})
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client, timeout_s=120)
+        response = client.post("/score", json={"query": "The quick brown fox", "label_token_ids": [5, 6]})
+        assert response.status_code == 200, response.text
+    assert len(load_threads) == 1
+    assert serve_threads == set(load_threads)

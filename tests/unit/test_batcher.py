@@ -76,6 +76,31 @@ async def test_concurrent_callers_share_a_batch_and_get_their_own_results():
     await batcher.stop()
 
 
+async def test_a_lone_caller_is_not_kept_waiting_for_company():
+    handler = Recorder()
+    batcher = make(handler, max_wait_ms=3_600_000)  # an hour: a batch that waited out max wait would time out here
+    batcher.start()
+    for i in range(3):  # one caller, one request after another: each runs at once
+        assert await asyncio.wait_for(batcher.submit([(i, 1)]), 30) == [("done", (i, 1))]
+    assert [len(b) for b in handler.batches] == [1, 1, 1]
+    await batcher.stop()
+
+
+async def test_after_a_larger_batch_the_next_one_waits_for_as_many_units():
+    handler = Recorder()
+    batcher = make(handler, max_wait_ms=3_600_000)
+    batcher.start()
+    await asyncio.wait_for(asyncio.gather(*(batcher.submit([(f"a{i}", 1)]) for i in range(3))), 30)
+    first = asyncio.create_task(batcher.submit([("b0", 1)]))
+    await asyncio.sleep(0)  # b0 is queued ...
+    await async_wait_until(lambda: batcher.waiting == 0, what="b0 to be taken into a batch")  # ... and taken
+    # Three callers were in flight, so the batch b0 opened waits for two more units rather than running alone.
+    later = [batcher.submit([(f"b{i}", 1)]) for i in (1, 2)]
+    await asyncio.wait_for(asyncio.gather(first, *later), 30)
+    assert [len(b) for b in handler.batches] == [3, 3]
+    await batcher.stop()
+
+
 async def test_batch_size_limit():
     handler = Recorder()
     batcher = make(handler, max_batch_size=4)
