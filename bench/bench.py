@@ -51,8 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="naive,inprocess,genscore,llama,vllm",
                    help="which systems to run (naive, inprocess, genscore, llama, vllm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="genscore and vLLM dtypes")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="run genscore with --batch-invariant (its systems are named '... invariant')")
+    p.add_argument("--batch-invariant", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="run genscore with --batch-invariant (on; its systems are named '... invariant'), without "
+                        "it (off, the default), or both ways side by side in the one run (both)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: .cache/bench/bin, then PATH)")
     p.add_argument("--llama-slots", type=int, default=8, help="llama-server parallel slots")
     p.add_argument("--llama-top-k", type=int, default=20, help="n_probs asked of llama-server")
@@ -249,23 +250,24 @@ def main(argv=None) -> int:
         if "naive" in systems:
             results["systems"]["naive transformers f32"] = dict(naive, dtype="float32")
 
-        for dtype in dtypes:
-            short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
-            if args.batch_invariant:
-                short += " invariant"
+        invariance = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
+        for dtype, invariant in [(dtype, invariant) for dtype in dtypes for invariant in invariance]:
+            short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype) + (" invariant" if invariant else "")
             cache_mb = genscore_prefix_cache_mb(workloads, levels, results["model"], dtype)
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
-            genscore_settings["batch_invariant"] = args.batch_invariant
+            genscore_settings["batch_invariant"] = invariant
             if "inprocess" in systems:
-                log(f"genscore Engine in-process ({dtype})")
+                log(f"genscore Engine in-process ({dtype}{', --batch-invariant' if invariant else ''})")
                 out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
                                  tmp)
                 results["systems"][f"genscore in-process {short}"] = dict(out, dtype=dtype)
             if "genscore" in systems:
-                log(f"genscore over HTTP ({dtype})" + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
+                log(f"genscore over HTTP ({dtype}{', --batch-invariant' if invariant else ''})"
+                    + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
                 extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
-                server = start_genscore(args.model, dtype, args.cache_dir, args.cache_dir.parent / f"genscore-{dtype}.log",
-                                        batch_invariant=args.batch_invariant, extra_args=extra)
+                log_path = args.cache_dir.parent / f"genscore-{dtype}{'-invariant' if invariant else ''}.log"
+                server = start_genscore(args.model, dtype, args.cache_dir, log_path, batch_invariant=invariant,
+                                        extra_args=extra)
                 try:
                     runs = asyncio.run(drive(lambda c, _n, url=server.base_url: GenscoreClient(url, c), workloads,
                                              levels, args.warmup, args.repeats))

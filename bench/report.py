@@ -125,6 +125,11 @@ def _claims(systems: dict, workloads: list[str]) -> dict:
                     claims[f"{short}_http_overhead_c{level}_{workload}"] = 1 - h / i
                 if h and v:
                     claims.setdefault(f"{short}_vs_vllm", {}).setdefault(workload, {})[level] = h / v
+            for level in levels:  # what --batch-invariant costs, when the run had genscore both ways
+                plain = _rate(systems, f"genscore HTTP {short}", level, workload)
+                invariant = _rate(systems, f"genscore HTTP {short} invariant", level, workload)
+                if plain and invariant:
+                    claims.setdefault(f"{short}_invariant_cost", {}).setdefault(workload, {})[level] = 1 - invariant / plain
         cells = systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get("scoring", {})
         if cells:
             claims[f"{short}_peak_share_best"] = max(c["peak_share"] for c in cells.values())
@@ -253,6 +258,10 @@ def headline(summary: dict) -> str:
         if overheads:
             parts.append(f"- HTTP overhead vs the same Engine in-process ({short}; throughput lost): "
                          + ", ".join(overheads) + ".")
+        for workload, by_level in c.get(f"{short}_invariant_cost", {}).items():
+            costs = ", ".join(f"c={level}: {100 * cost:+.0f}%" for level, cost in sorted(by_level.items()))
+            parts.append(f"- --batch-invariant costs genscore {short} over HTTP, workload `{workload}` "
+                         f"(throughput lost): {costs}.")
     return "\n".join(parts) or "(no comparison available)"
 
 
