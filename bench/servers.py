@@ -130,7 +130,7 @@ class GenscoreClient:
 
     def __init__(self, base_url: str, concurrency: int):
         self._client = httpx.AsyncClient(base_url=base_url, timeout=600,
-                                         limits=httpx.Limits(max_connections=concurrency + 2))
+                                         limits=httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2))
 
     async def __call__(self, request) -> list[list[float | None]]:
         response = await self._client.post("/score", content=orjson.dumps(request.score_body()),
@@ -156,7 +156,7 @@ class LlamaClient:
 
     def __init__(self, base_url: str, concurrency: int, top_k: int):
         self._client = httpx.AsyncClient(base_url=base_url, timeout=600,
-                                         limits=httpx.Limits(max_connections=concurrency * 8 + 2))
+                                         limits=httpx.Limits(max_connections=concurrency * 8 + 2, max_keepalive_connections=concurrency * 8 + 2))
         self._top_k = top_k
 
     async def _one(self, prompt: list[int], labels: list[int]) -> list[float | None]:

@@ -122,7 +122,7 @@ class VllmClient:
 
     def __init__(self, base_url: str, concurrency: int, reset_cache: bool = False):
         self._client = httpx.AsyncClient(base_url=base_url, timeout=600,
-                                         limits=httpx.Limits(max_connections=concurrency + 2))
+                                         limits=httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2))
         self._reset_cache = reset_cache
 
     async def reset(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,12 +12,18 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from models.forward import pad_left
+from models.forward import PACK_TOKENS, pad_left
 from models.invariant import is_batch_invariant
+from models.packed import PACKED_ATTENTION
 
 # On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
 # suffixes of the same prefix and padded width, so the shape its attention and linears see is its own.
 SUFFIX_BUCKET_TOKENS = 16
+# Attention implementations that read a boolean 4D mask as given (True: attend), which packed suffixes need.
+_BOOLEAN_MASK_ATTENTION = ("sdpa", PACKED_ATTENTION)
+
+# Models whose suffixes run packed (use_packed_suffixes, after the load-time self-check agreed).
+_PACKED_SUFFIXES: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -132,17 +139,36 @@ def _stack_prefixes(states: Sequence[PrefixState], layer: int, pick) -> torch.Te
     return out
 
 
+def can_pack_suffixes(model: PreTrainedModel) -> bool:
+    """Whether the model's attention reads the boolean mask packed suffixes pass (SDPA reads it as given)."""
+    return model.config._attn_implementation in _BOOLEAN_MASK_ATTENTION
+
+
+def use_packed_suffixes(model: PreTrainedModel, on: bool = True) -> None:
+    """Run forward_suffixes of `model` packed (_packed_suffix_pass), or (on=False) one padded row per suffix."""
+    if on:
+        _PACKED_SUFFIXES.add(model)
+    else:
+        _PACKED_SUFFIXES.discard(model)
+
+
 @torch.inference_mode()
 def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int) -> torch.Tensor:
     """Hidden states of the kept positions of every row, stacked row after row, oldest first: [N, H].
 
-    Rows may hang off different prefixes. Prefixes are left-padded to the longest (padding
-    masked out); suffixes are right-padded after them, so a real token never sees a pad and
+    Rows may hang off different prefixes. Packed (use_packed_suffixes): the suffixes of one prefix lie back to back
+    in one sequence after it (_packed_suffix_pass). Otherwise one row per suffix: prefixes are left-padded to the
+    longest (padding masked out); suffixes are right-padded after them, so a real token never sees a pad and
     its position id is simply prefix length + offset, the position it has in a plain pass.
     On a batch-invariant model rows are grouped by prefix and by suffix length rounded up to
     SUFFIX_BUCKET_TOKENS, and each group runs at exactly that width: no row's layout depends on another's.
     """
+    for row in rows:
+        if not 1 <= row.keep <= len(row.suffix) + 1:
+            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {row.keep} for {len(row.suffix)} tokens")
     if not is_batch_invariant(model):
+        if model in _PACKED_SUFFIXES:
+            return _packed_suffixes(model, rows)
         return _suffix_pass(model, rows, pad_token_id)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, row in enumerate(rows):
@@ -166,8 +192,6 @@ def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id
         if id(row.prefix) not in distinct:
             distinct[id(row.prefix)] = len(prefixes)
             prefixes.append(row.prefix)
-        if not 1 <= row.keep <= len(row.suffix) + 1:
-            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {row.keep} for {len(row.suffix)} tokens")
     prefix_width = max(p.length for p in prefixes)
     if suffix_width is None:
         suffix_width = max(len(row.suffix) for row in rows)
@@ -207,6 +231,64 @@ def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id
         from_suffix = min(row.keep, n)
         if from_suffix:
             picked.append(hidden[b, n - from_suffix : n])  # [k, H]
+    return torch.cat(picked, dim=0)
+
+
+def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
+    """forward_suffixes packed: rows grouped by prefix, each group's suffixes in calls of up to PACK_TOKENS tokens."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(id(row.prefix), []).append(i)
+    blocks: list[torch.Tensor | None] = [None] * len(rows)
+    for members in groups.values():
+        call: list[int] = []
+        size = 0
+        for i in members + [None]:  # None: flush the last call
+            if i is None or (call and size + len(rows[i].suffix) > PACK_TOKENS):
+                hidden = _packed_suffix_pass(model, [rows[j] for j in call])
+                for j, block in zip(call, hidden.split([rows[j].keep for j in call])):
+                    blocks[j] = block
+                call, size = [], 0
+            if i is not None:
+                call.append(i)
+                size += len(rows[i].suffix)
+    return torch.cat(blocks)
+
+
+def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
+    """Rows of one prefix in one model call: their suffixes back to back after the prefix's states, [sum keep, H].
+
+    Each suffix token attends to the whole prefix and to its own suffix up to itself, never to another suffix:
+    exactly what it sees in a plain pass of prefix + suffix, at the same position ids. Unlike one padded row per
+    suffix, no pad token is computed and the prefix's states are read once, not copied into every row.
+    """
+    prefix = rows[0].prefix
+    device = model.device
+    lengths = [len(row.suffix) for row in rows]
+    total = sum(lengths)
+    hidden = None
+    if total:
+        input_ids = torch.tensor([token for row in rows for token in row.suffix], dtype=torch.long)[None]  # [1, T]
+        offsets = torch.cat([torch.arange(n) for n in lengths])  # [T]: each token's place in its suffix
+        owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # [T]: its suffix
+        own_past = (owner[:, None] == owner[None, :]) & (offsets[None, :] <= offsets[:, None])  # [T, T]
+        mask = torch.cat([torch.ones(total, prefix.length, dtype=torch.bool), own_past], dim=1)  # [T, P + T]
+        cache = DynamicCache(config=model.config)
+        cache.layers = [_PrefixLayer(keys, values, None) for keys, values in zip(prefix.keys, prefix.values)]
+        hidden = model.base_model(
+            input_ids=input_ids.to(device), attention_mask=mask[None, None].to(device),  # [1, 1, T, P + T]
+            position_ids=(offsets + prefix.length)[None].to(device), use_cache=True,
+            **{_cache_kwarg(model): cache},
+        ).last_hidden_state[0]  # [T, H]
+    picked = []
+    end = 0
+    for row, n in zip(rows, lengths):
+        end += n
+        if row.keep == n + 1:
+            picked.append(row.prefix.last_hidden[None])  # [1, H]: the prefix's own last position
+        from_suffix = min(row.keep, n)
+        if from_suffix:
+            picked.append(hidden[end - from_suffix : end])  # [k, H]
     return torch.cat(picked, dim=0)
 
 

@@ -15,7 +15,14 @@ from models.forward import forward_logits, run_one_at_a_time
 from models.head import head_logits
 from models.invariant import make_batch_invariant
 from models.packed import supports_packing, use_packed_attention
-from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse
+from models.prefix import (
+    SuffixRow,
+    can_pack_suffixes,
+    forward_suffixes,
+    prefill_prefixes,
+    supports_prefix_reuse,
+    use_packed_suffixes,
+)
 from models.prepack import prepack_linears, restore_linears
 
 log = logging.getLogger("genscore.models")
@@ -38,9 +45,15 @@ _NO_WINDOW_LENGTH = 40
 _MAX_PROBE_LENGTH = 1024
 # Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
+# Why suffixes over a shared prefix run one padded row each instead of packed (models/prefix.py).
+UNPACKED_WHEN_INVARIANT = "batch-invariant: suffixes run in fixed-width rows of their own"
+NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suffixes' boolean mask"
+SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
+# Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
+_NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -266,8 +279,20 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
             return _error(head_logits(model, forward_suffixes(model, rows, pad_token_id)), reference, model.dtype)
 
         checks.append(_check("shared_prefix", tolerance, prefix_error))
+        if not checks[-1].enabled:
+            checks.append(PathCheck("packed_suffixes", False, None, SHARED_PREFIX_OFF))
+        elif batch_invariant:
+            checks.append(PathCheck("packed_suffixes", False, None, UNPACKED_WHEN_INVARIANT))
+        elif not can_pack_suffixes(model):
+            checks.append(PathCheck("packed_suffixes", False, None, NO_BOOLEAN_MASK))
+        else:
+            use_packed_suffixes(model)
+            checks.append(_check("packed_suffixes", tolerance, prefix_error))
+            if not checks[-1].enabled:
+                use_packed_suffixes(model, False)
     else:
         checks.append(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
+        checks.append(PathCheck("packed_suffixes", False, None, NOT_PLAIN_ATTENTION))
 
     if batch_invariant:
         checks.append(_make_invariant(model, probe, vocab_size, max_length, pad_token_id, checks, original_attention))
@@ -278,7 +303,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     for check in checks:
         if check.enabled:
             log.info("fast path %s: on (difference %.2g from the plain forward)", check.name, check.difference)
-        elif check.difference is None and check.reason in (NOT_PLAIN_ATTENTION, NOT_REQUESTED):
+        elif check.difference is None and check.reason in _NOT_USED:
             log.info("fast path %s: not used, %s", check.name, check.reason)
         else:
             log.warning("fast path %s: OFF, %s", check.name, check.reason)

@@ -127,7 +127,8 @@ def test_bfloat16_matches_plain_bfloat16(zoo):
 
 
 def test_self_check_keeps_the_fast_paths_that_apply(zoo):
-    """Packing wherever attention is SDPA, padded batches elsewhere, prefix reuse only over plain full attention."""
+    """Packing wherever attention is SDPA, padded batches elsewhere, prefix reuse only over plain full attention,
+    packed suffixes over it wherever attention is SDPA."""
     from models.prefix import supports_prefix_reuse
 
     paths = {check.name: check for check in zoo.served.fast_paths.checks}
@@ -137,4 +138,7 @@ def test_self_check_keeps_the_fast_paths_that_apply(zoo):
     else:
         assert "packed_batches" not in paths and paths["padded_batches"].enabled
     assert paths["shared_prefix"].enabled == supports_prefix_reuse(zoo.plain)
+    # suffixes over a shared prefix pack wherever SDPA reads their boolean mask
+    sdpa = zoo.plain.config._attn_implementation == "sdpa"
+    assert paths["packed_suffixes"].enabled == (paths["shared_prefix"].enabled and sdpa), paths["packed_suffixes"]
     assert all(c.difference is None or c.difference <= TOL for c in paths.values())

@@ -1,5 +1,6 @@
 """models/prefix.py on the tiny models: rows over one or several prefixes, of any suffix length (empty included),
-give the logits of a plain forward pass of each full sequence."""
+give the logits of a plain forward pass of each full sequence, packed (the default the self-check turns on) and one
+padded row per suffix."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from models import load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse
+import models.prefix
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse, use_packed_suffixes
 from tests.reference import position_logits
 
 
@@ -23,7 +25,16 @@ def plain(request, loaded, plain_models):
     return plain_models[request.node.callspec.params["loaded"]]
 
 
-def test_rows_over_several_prefixes_equal_full_passes(loaded, plain):
+@pytest.fixture(params=["packed", "rows"])
+def layout(request, loaded):
+    """Suffixes packed after their prefix (what the self-check turned on), or one padded row per suffix."""
+    assert loaded.fast_paths.enabled("packed_suffixes"), loaded.fast_paths.as_dict()
+    use_packed_suffixes(loaded.model, request.param == "packed")
+    yield request.param
+    use_packed_suffixes(loaded.model)
+
+
+def test_rows_over_several_prefixes_equal_full_passes(loaded, plain, layout):
     assert supports_prefix_reuse(loaded.model)
     generator = torch.Generator().manual_seed(0)
     short, long = (torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 13))
@@ -47,3 +58,16 @@ def test_keep_beyond_the_suffix_is_refused(loaded):
     (state,) = prefill_prefixes(loaded.model, [[5, 6, 7]], loaded.pad_token_id)
     with pytest.raises(ValueError, match="keep"):
         forward_suffixes(loaded.model, [SuffixRow(state, (1,), 3)], loaded.pad_token_id)
+
+
+def test_packed_suffixes_beyond_one_call_are_split_and_equal_full_passes(loaded, plain, layout, monkeypatch):
+    monkeypatch.setattr(models.prefix, "PACK_TOKENS", 5)  # 4 suffixes of 2-4 tokens: several calls
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 300, (9,), generator=generator).tolist()
+    suffixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 2, 4, 3)]
+    (state,) = prefill_prefixes(loaded.model, [prefix], loaded.pad_token_id)
+    keeps = [4, 1, 2, 3]
+    rows = [SuffixRow(state, tuple(s), k) for s, k in zip(suffixes, keeps)]
+    got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    expected = torch.cat([position_logits(plain, prefix + s)[-k:] for s, k in zip(suffixes, keeps)])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
