@@ -256,7 +256,7 @@ def main(argv=None) -> int:
             cache_mb = genscore_prefix_cache_mb(workloads, levels, results["model"], dtype)
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
             genscore_settings["batch_invariant"] = invariant
-            if "inprocess" in systems:
+            if "inprocess" in systems and not invariant:  # the in-process engine is measured the default way
                 log(f"genscore Engine in-process ({dtype}{', --batch-invariant' if invariant else ''})")
                 out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
                                  tmp)
