@@ -3,8 +3,8 @@
     python -m bench.overhead [--dtype float32] [--requests 64] [--cprofile 25]
 
 Layers, innermost first, each measured one request at a time on the short-prompt workload:
-the model's packed forward alone, Scorer.run_batch (adds the sampler and result rows), the same on
-the device thread, Engine.score (adds the tokenizer thread, the batcher and its max-wait), the /score
+the model's packed forward alone, Scorer.run_batch (adds the sampler and result rows), both on the
+engine's device thread where the model was loaded, Engine.score (adds the tokenizer thread, the batcher and its max-wait), the /score
 serving function (adds request and response objects), and POST /score on a `genscore serve`
 subprocess (adds HTTP, uvicorn and the client), with the server's own share of it from its access
 log. Each layer's median minus the one inside it is that layer's cost. With --cprofile N, the N functions of the event-loop thread with the most own time

@@ -15,6 +15,6 @@ def device_thread() -> ThreadPoolExecutor:
     regions only while it manages no more threads than there are CPUs. A second team (the model loaded on one
     thread and served from another) leaves it spinning ~100 times shorter, so each of a forward's hundreds of short
     kernels waits for its threads to wake. Measured on 2 cores, SmolLM2-135M bfloat16, one 38-token prompt: 47 ms
-    when one thread loads and serves, 90 ms when the load ran on another (bench/README, "One device thread").
+    when one thread loads and serves, 90 ms when the load ran on another (README, "Performance").
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)
