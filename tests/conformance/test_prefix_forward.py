@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import models.prefix
 from models import load_model
 from models.head import head_logits
-import models.prefix
 from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse, use_packed_suffixes
 from tests.reference import position_logits
 
