@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from app.engine.device import device_thread
 from app.engine.generation import Generator
 from app.engine.work import GenerationParams
 from app.settings import Settings
@@ -26,8 +27,8 @@ def prompts(count: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(8 + (i * 11) % 33)) for i in range(count)]
 
 
-async def genscore_run(loaded, texts: list[str], new_tokens: int, concurrency: int) -> tuple[float, int]:
-    generator = Generator(loaded, Settings(model="unused", device=str(loaded.device)))
+async def genscore_run(loaded, device, texts: list[str], new_tokens: int, concurrency: int) -> tuple[float, int]:
+    generator = Generator(loaded, Settings(model="unused", device=str(loaded.device)), device=device)
     generator.start()
     await generator.warm_up()
     params = GenerationParams(max_tokens=new_tokens, sampling=SamplingParams(temperature=0.0))
@@ -67,13 +68,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
-    loaded = load_model(args.model, args.device, args.dtype, Settings().cache_dir)
+    # One thread loads the model and runs both systems (app/engine/device.py says why).
+    device = device_thread()
+    loaded = device.submit(load_model, args.model, args.device, args.dtype, Settings().cache_dir).result()
     texts = prompts(args.requests)
     rows = []
-    elapsed, generated = transformers_run(loaded, texts[: max(2, args.requests // 4)], args.new_tokens)
+    elapsed, generated = device.submit(transformers_run, loaded, texts[: max(2, args.requests // 4)],
+                                       args.new_tokens).result()
     rows.append(("transformers generate, one at a time", 1, generated, elapsed))
     for concurrency in args.concurrency:
-        elapsed, generated = asyncio.run(genscore_run(loaded, texts, args.new_tokens, concurrency))
+        elapsed, generated = asyncio.run(genscore_run(loaded, device, texts, args.new_tokens, concurrency))
         rows.append(("genscore generation loop", concurrency, generated, elapsed))
     print(f"\n{args.model} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}), "
           f"{torch.get_num_threads()} threads, greedy, {args.new_tokens} new tokens per request\n")
@@ -81,6 +85,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for system, concurrency, tokens, seconds in rows:
         print(f"| {system} | {concurrency} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} |")
+    device.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 from app.api.score import serving
 from app.api.score.protocol import ScoreRequest
 from app.engine.core import Engine
+from app.engine.device import device_thread
 from app.settings import Settings
 from models import load_model
 
@@ -43,7 +44,8 @@ async def run(engine: Engine, request: ScoreRequest, repeats: int) -> tuple[floa
 
 
 async def main(args: argparse.Namespace) -> None:
-    loaded = load_model(args.model, args.device, args.dtype, Settings().cache_dir)
+    device = device_thread()  # loads the model and runs every engine below (app/engine/device.py says why)
+    loaded = device.submit(load_model, args.model, args.device, args.dtype, Settings().cache_dir).result()
     variants = {
         "from scratch": dict(share_prefixes=False),
         "shared prefix, no cache": dict(prefix_cache_mb=0),
@@ -61,7 +63,7 @@ async def main(args: argparse.Namespace) -> None:
         baseline_time, baseline_values = None, None
         for name, overrides in variants.items():
             settings = Settings(model=args.model, max_batch_size=args.max_batch_size, **overrides)
-            engine = Engine(loaded, settings)
+            engine = Engine(loaded, settings, device=device)
             engine.start()
             await engine.warm_up()
             try:
