@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
-from pydantic_settings import CliApp
+from pydantic_settings import CliApp, CliSettingsSource
 
 from app.logs import configure_logging
 from app.settings import Settings
@@ -119,7 +119,7 @@ def run_batch(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         parser.print_help()
         print("\nServer flags (the same as genscore serve):")
-        CliApp.run(Settings, cli_args=["--help"], cli_prog_name="genscore run-batch")
+        parse_settings(["--help"], "genscore run-batch")
         return 0
     try:
         args, rest = parser.parse_known_args(argv)
@@ -131,8 +131,7 @@ def run_batch(argv: list[str]) -> int:
         return 2
     try:
         # No deadline by default: a batch row waits its turn behind the window however long the queue is.
-        settings = CliApp.run(Settings, cli_args=["--request-timeout-s", "0", "--no-access-log", *rest],
-                              cli_prog_name="genscore run-batch")
+        settings = parse_settings(["--request-timeout-s", "0", "--no-access-log", *rest], "genscore run-batch")
     except ValidationError as exc:
         print(f"genscore: invalid settings:\n{exc}", file=sys.stderr)
         return 2
@@ -153,6 +152,11 @@ def run_batch(argv: list[str]) -> int:
     return 0
 
 
+def parse_settings(args: list[str], prog: str) -> Settings:
+    """Settings from the command line (and GENSCORE_* variables); `--help` prints usage under `prog` and exits."""
+    return CliApp.run(Settings, cli_args=args, cli_settings_source=CliSettingsSource(Settings, cli_prog_name=prog))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"genscore: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        settings = CliApp.run(Settings, cli_args=argv[1:], cli_prog_name=f"genscore {argv[0]}")
+        settings = parse_settings(argv[1:], f"genscore {argv[0]}")
     except ValidationError as exc:
         print(f"genscore: invalid settings:\n{exc}", file=sys.stderr)
         return 2

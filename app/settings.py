@@ -34,8 +34,9 @@ class Settings(BaseSettings):
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype; `auto` is bfloat16 on CUDA and float32 on CPU."""
-    cache_dir: Path = Path.home() / ".cache" / "genscore"
-    """Where converted GGUF weights are cached so later starts skip dequantization."""
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "genscore")
+    """Where converted GGUF weights are cached so later starts skip dequantization (default `~/.cache/genscore`,
+    the home directory read when the settings are)."""
     torch_threads: int = Field(default=0, ge=0)
     """CPU threads for torch (0 = torch's default)."""
 

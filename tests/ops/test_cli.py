@@ -23,6 +23,21 @@ def test_help_lists_logprobs_modes_as_typed(capsys):
     assert "RAW_LOGPROBS" not in text
 
 
+def test_help_names_the_subcommand(capsys):
+    assert _serve_help(capsys).startswith("usage: genscore serve ")
+    with pytest.raises(SystemExit):
+        main(["warm-cache", "--help"])
+    assert capsys.readouterr().out.startswith("usage: genscore warm-cache ")
+
+
+def test_flags_and_environment_both_reach_the_settings(monkeypatch):
+    from app.cli import parse_settings
+
+    monkeypatch.setenv("GENSCORE_PORT", "9123")
+    assert parse_settings([], "genscore serve").port == 9123
+    assert parse_settings(["--port", "9000"], "genscore serve").port == 9000  # the flag wins
+
+
 @pytest.mark.parametrize("mode", list(LogprobsMode))
 def test_logprobs_mode_flag_takes_the_value_users_type(mode):
     settings = Settings(_cli_parse_args=["--default-logprobs-mode", mode.value])
