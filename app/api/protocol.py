@@ -1,5 +1,6 @@
 """What every endpoint family's protocol shares: strict field types (a JSON `true` is not a token id, NaN is not a
-number), the request base that rejects unknown fields, the processor fields, the model list and the error body."""
+number), the request base that rejects unknown fields, the processor fields, the drop-in routes' usage, the model list
+and the error body."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ class ProcessorFields(StrictModel):
     logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(
         default=None, description="Token id (as a string key, like OpenAI) -> bias in [-100, 100] added to its logit."
     )
+
+
+class PromptUsage(BaseModel):
+    """Token counts of a scoring request on the drop-in routes (SGLang's and vLLM's shape)."""
+
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 class FastPathCheck(BaseModel):

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, TokenId
+from app.api.protocol import ErrorResponse, Flag, PromptUsage, TokenId
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
@@ -35,17 +35,10 @@ class SGLangScoringRequest(BaseModel):
     item_first: Flag = Field(default=False, description="Put each item before the query.")
 
 
-class SGLangUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-
 class SGLangScoringResponse(BaseModel):
     scores: list[list[float]] = Field(description="Per item, one probability per label, in label order.")
     model: str
-    usage: SGLangUsage | None = None
+    usage: PromptUsage | None = None
     object: Literal["scoring"] = "scoring"
 
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, TokenId
+from app.api.protocol import ErrorResponse, Flag, PromptUsage, TokenId
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
@@ -43,20 +43,13 @@ class GenerativeScoringItemResult(BaseModel):
     score: float
 
 
-class GenerativeScoringUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-
 class GenerativeScoringResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
     created: int
     model: str
     data: list[GenerativeScoringItemResult]
-    usage: GenerativeScoringUsage
+    usage: PromptUsage
 
 
 @router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=_ERRORS,
