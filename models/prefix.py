@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from models.forward import PACK_TOKENS, pad_left
+from models.forward import PACK_TOKENS, pad_left, plan_packs
 from models.invariant import is_batch_invariant
 from models.packed import PACKED_ATTENTION
 
@@ -223,14 +223,20 @@ def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id
             position_ids=position_ids.to(device), use_cache=True, **{_cache_kwarg(model): cache},
         ).last_hidden_state  # [B, S, H]
 
+    return _kept_states(rows, [None if hidden is None else hidden[b, : len(row.suffix)] for b, row in enumerate(rows)])
+
+
+def _kept_states(rows: Sequence[SuffixRow], suffix_states: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Each row's kept positions, row after row: [sum keep, H]. suffix_states[i] holds row i's suffix positions,
+    [len(suffix), H] (None when no row has a suffix); a row keeping len(suffix) + 1 also takes its prefix's last."""
     picked = []
-    for b, row in enumerate(rows):
+    for row, states in zip(rows, suffix_states):
         n = len(row.suffix)
         if row.keep == n + 1:
             picked.append(row.prefix.last_hidden[None])  # [1, H]: the prefix's own last position
         from_suffix = min(row.keep, n)
         if from_suffix:
-            picked.append(hidden[b, n - from_suffix : n])  # [k, H]
+            picked.append(states[n - from_suffix :])  # [k, H]
     return torch.cat(picked, dim=0)
 
 
@@ -241,17 +247,11 @@ def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch
         groups.setdefault(id(row.prefix), []).append(i)
     blocks: list[torch.Tensor | None] = [None] * len(rows)
     for members in groups.values():
-        call: list[int] = []
-        size = 0
-        for i in members + [None]:  # None: flush the last call
-            if i is None or (call and size + len(rows[i].suffix) > PACK_TOKENS):
-                hidden = _packed_suffix_pass(model, [rows[j] for j in call])
-                for j, block in zip(call, hidden.split([rows[j].keep for j in call])):
-                    blocks[j] = block
-                call, size = [], 0
-            if i is not None:
-                call.append(i)
-                size += len(rows[i].suffix)
+        for call in plan_packs([len(rows[i].suffix) for i in members], PACK_TOKENS):
+            call = [members[c] for c in call]
+            hidden = _packed_suffix_pass(model, [rows[i] for i in call])
+            for i, block in zip(call, hidden.split([rows[i].keep for i in call])):
+                blocks[i] = block
     return torch.cat(blocks)
 
 
@@ -280,16 +280,7 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
             position_ids=(offsets + prefix.length)[None].to(device), use_cache=True,
             **{_cache_kwarg(model): cache},
         ).last_hidden_state[0]  # [T, H]
-    picked = []
-    end = 0
-    for row, n in zip(rows, lengths):
-        end += n
-        if row.keep == n + 1:
-            picked.append(row.prefix.last_hidden[None])  # [1, H]: the prefix's own last position
-        from_suffix = min(row.keep, n)
-        if from_suffix:
-            picked.append(hidden[end - from_suffix : end])  # [k, H]
-    return torch.cat(picked, dim=0)
+    return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
 
 
 @dataclass
