@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, TokenId
+from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
@@ -20,10 +20,8 @@ router = APIRouter()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
-class SGLangScoringRequest(BaseModel):
+class SGLangScoringRequest(StrictModel):
     """SGLang's ScoringRequest. Text query and items are joined as text and tokenized together, as SGLang does."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, description="Must match the served model name when given.")
     query: str | list[TokenId] = Field(description="Query text, or its token ids.")

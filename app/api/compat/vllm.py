@@ -7,10 +7,10 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, Field, Strict
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, TokenId
+from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
@@ -21,10 +21,8 @@ router = APIRouter()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
-class GenerativeScoringRequest(BaseModel):
+class GenerativeScoringRequest(StrictModel):
     """vLLM's GenerativeScoringRequest. Query and items are tokenized apart and their ids joined, as vLLM does."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, description="Must match the served model name when given.")
     query: str | list[TokenId] = Field(description="Query text, or its token ids.")
