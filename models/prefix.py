@@ -275,10 +275,14 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
         mask = torch.cat([torch.ones(total, prefix.length, dtype=torch.bool), own_past], dim=1)  # [T, P + T]
         cache = DynamicCache(config=model.config)
         cache.layers = [_PrefixLayer(keys, values, None) for keys, values in zip(prefix.keys, prefix.values)]
+        segments = {}
+        if model.config._attn_implementation == PACKED_ATTENTION:
+            # Suffix boundaries let packed attention skip the keys of other suffixes (models/packed.py).
+            segments["cu_seq_lens_q"] = torch.cumsum(torch.tensor([0, *lengths]), 0)  # [n + 1]
         hidden = model.base_model(
             input_ids=input_ids.to(device), attention_mask=mask[None, None].to(device),  # [1, 1, T, P + T]
             position_ids=(offsets + prefix.length)[None].to(device), use_cache=True,
-            **{_cache_kwarg(model): cache},
+            **{_cache_kwarg(model): cache}, **segments,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
 

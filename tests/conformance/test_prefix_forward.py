@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import models.packed
 import models.prefix
 from models import load_model
 from models.head import head_logits
@@ -67,6 +68,23 @@ def test_packed_suffixes_beyond_one_call_are_split_and_equal_full_passes(loaded,
     suffixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 2, 4, 3)]
     (state,) = prefill_prefixes(loaded.model, [prefix], loaded.pad_token_id)
     keeps = [4, 1, 2, 3]
+    rows = [SuffixRow(state, tuple(s), k) for s, k in zip(suffixes, keeps)]
+    got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+    expected = torch.cat([position_logits(plain, prefix + s)[-k:] for s, k in zip(suffixes, keeps)])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("group_tokens", [1, 6])
+def test_packed_suffix_attention_in_groups_equals_full_passes(loaded, plain, monkeypatch, group_tokens):
+    """Packed attention splits the suffixes' queries into groups (each alone, or merged, here) over the prefix
+    states plus the group's own keys: still each suffix's plain-pass logits."""
+    assert loaded.fast_paths.enabled("packed_suffixes"), loaded.fast_paths.as_dict()
+    monkeypatch.setattr(models.packed, "SUFFIX_GROUP_TOKENS", group_tokens)
+    generator = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 300, (7,), generator=generator).tolist()
+    suffixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 0, 2, 4, 3)]
+    (state,) = prefill_prefixes(loaded.model, [prefix], loaded.pad_token_id)
+    keeps = [3, 1, 2, 4, 1]
     rows = [SuffixRow(state, tuple(s), k) for s, k in zip(suffixes, keeps)]
     got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
     expected = torch.cat([position_logits(plain, prefix + s)[-k:] for s, k in zip(suffixes, keeps)])
