@@ -68,7 +68,8 @@ def serve(settings: Settings) -> int:
 
 
 def warm_cache(settings: Settings) -> int:
-    """Load the model once on CPU so its GGUF weights are converted into settings.cache_dir; 0 when they are there."""
+    """Load the model once on CPU so its GGUF weights are converted into settings.cache_dir (and, with --compile,
+    its compiled layers are cached there too); 0 when they are there."""
     from models import ModelNotFoundError, load_model
     from models.loading import converted_weights_dir
 
@@ -78,20 +79,31 @@ def warm_cache(settings: Settings) -> int:
     except ModelNotFoundError as exc:
         log.error("%s", exc)
         return 2
-    if target is None:
+    if target is None and not settings.compile:
         log.info("%s is not a GGUF file: it loads without conversion, nothing to cache", settings.model)
         return 0
     try:  # fail before the (long) conversion when the cache cannot be written
-        target.parent.mkdir(parents=True, exist_ok=True)
+        (settings.cache_dir if target is None else target.parent).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        log.error("cannot write the cache directory %s: %s", target.parent, exc)
+        log.error("cannot write the cache directory %s: %s", settings.cache_dir if target is None else target.parent,
+                  exc)
         return 1
-    loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
-    if not (target / "config.json").is_file():
-        log.error("the converted weights of %s could not be written to %s (see the warning above)",
-                  settings.model, target)
-        return 1
-    log.info("converted weights of %s are in %s (load took %.1f s)", settings.model, target, loaded.load_seconds)
+    if target is not None:
+        loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)
+        if not (target / "config.json").is_file():
+            log.error("the converted weights of %s could not be written to %s (see the warning above)",
+                      settings.model, target)
+            return 1
+        log.info("converted weights of %s are in %s (load took %.1f s)", settings.model, target, loaded.load_seconds)
+    if settings.compile:
+        # The serving dtype: compiled graphs are cached per dtype.
+        loaded = load_model(settings.model, device="cpu", dtype=settings.dtype, cache_dir=settings.cache_dir,
+                            compile=True)
+        if not loaded.fast_paths.enabled("compiled_layers"):
+            log.error("the compiled layers of %s did not pass the self-check; nothing to cache", settings.model)
+            return 1
+        log.info("compiled layers of %s (%s) are cached under %s (load took %.1f s)", settings.model,
+                 str(loaded.dtype).removeprefix("torch."), settings.cache_dir, loaded.load_seconds)
     return 0
 
 

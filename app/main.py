@@ -99,7 +99,7 @@ def create_app(
                 log.info("loading model %s (device=%s, dtype=%s)", settings.model, settings.device, settings.dtype)
                 model = await asyncio.get_running_loop().run_in_executor(device, functools.partial(
                     load_model, settings.model, settings.device, settings.dtype, settings.cache_dir,
-                    batch_invariant=settings.batch_invariant,
+                    batch_invariant=settings.batch_invariant, compile=settings.compile,
                 ))
             dtype_name = str(model.dtype).removeprefix("torch.")
             log.info("loaded %s on %s as %s in %.1f s (vocab %d, max length %d)", settings.model, model.device,

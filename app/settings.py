@@ -132,6 +132,10 @@ class Settings(BaseSettings):
     batch_invariant: bool = False
     """A request's numbers are bit-identical alone and in any batch (fixed-shape kernels; proven at load, reported in
     /v1/models as the `batch_invariant` fast path)."""
+    compile: bool = False
+    """Compile the decoder layers for packed scoring calls with torch.compile (CPU; self-checked at load, reported in
+    /v1/models as the `compiled_layers` fast path). Adds seconds to start-up; its cache under --cache-dir makes
+    later starts faster (`genscore warm-cache` fills it)."""
 
     # --- reranking ---
     rerank_format: str = "chat"

@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="naive,inprocess,genscore,llama,vllm",
                    help="which systems to run (naive, inprocess, genscore, llama, vllm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="genscore and vLLM dtypes")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="run genscore with --compile (on; its systems are named '... compiled'), without it (off, "
+                        "the default), or both ways side by side in the one run (both)")
     p.add_argument("--batch-invariant", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                    help="run genscore with --batch-invariant (on; its systems are named '... invariant'), without "
                         "it (off, the default), or both ways side by side in the one run (both)")
@@ -250,22 +253,28 @@ def main(argv=None) -> int:
         if "naive" in systems:
             results["systems"]["naive transformers f32"] = dict(naive, dtype="float32")
 
-        invariance = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
-        for dtype, invariant in [(dtype, invariant) for dtype in dtypes for invariant in invariance]:
-            short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype) + (" invariant" if invariant else "")
+        ways = {"off": (False,), "on": (True,), "both": (False, True)}
+        # --compile is off under --batch-invariant (the self-check says so), so the two are never combined
+        variants = [(invariant, compiled) for invariant in ways[args.batch_invariant] for compiled in ways[args.compile]
+                    if not (invariant and compiled)]
+        for dtype, invariant, compiled in [(dtype, *variant) for dtype in dtypes for variant in variants]:
+            tag = " invariant" if invariant else " compiled" if compiled else ""
+            flags = ", --batch-invariant" if invariant else ", --compile" if compiled else ""
+            short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype) + tag
             cache_mb = genscore_prefix_cache_mb(workloads, levels, results["model"], dtype)
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
             genscore_settings["batch_invariant"] = invariant
+            genscore_settings["compile"] = compiled
             if "inprocess" in systems and not invariant:  # the in-process engine is measured the default way
-                log(f"genscore Engine in-process ({dtype}{', --batch-invariant' if invariant else ''})")
+                log(f"genscore Engine in-process ({dtype}{flags})")
                 out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
                                  tmp)
                 results["systems"][f"genscore in-process {short}"] = dict(out, dtype=dtype)
             if "genscore" in systems:
-                log(f"genscore over HTTP ({dtype}{', --batch-invariant' if invariant else ''})"
-                    + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
+                log(f"genscore over HTTP ({dtype}{flags})" + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
                 extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
-                log_path = args.cache_dir.parent / f"genscore-{dtype}{'-invariant' if invariant else ''}.log"
+                extra += ("--compile",) if compiled else ()
+                log_path = args.cache_dir.parent / f"genscore-{dtype}{tag.replace(' ', '-')}.log"
                 server = start_genscore(args.model, dtype, args.cache_dir, log_path, batch_invariant=invariant,
                                         extra_args=extra)
                 try:

@@ -116,20 +116,25 @@ def _claims(systems: dict, workloads: list[str]) -> dict:
         if llama and http:
             claims[f"{short}_vs_llama_c8"] = http / llama
         for workload in workloads:
+            for variant in (short, f"{short} compiled"):
+                levels = sorted(systems.get(f"genscore HTTP {variant}", {}).get("cells", {}).get(workload, {}))
+                for level in levels:
+                    h = _rate(systems, f"genscore HTTP {variant}", level, workload)
+                    i = _rate(systems, f"genscore in-process {variant}", level, workload)
+                    v = _rate(systems, f"vLLM CPU {short}", level, workload)
+                    if h and i:
+                        claims[f"{variant}_http_overhead_c{level}_{workload}"] = 1 - h / i
+                    if h and v:
+                        claims.setdefault(f"{variant}_vs_vllm", {}).setdefault(workload, {})[level] = h / v
             levels = sorted(systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get(workload, {}))
-            for level in levels:
-                h = _rate(systems, f"genscore HTTP {short}", level, workload)
-                i = _rate(systems, f"genscore in-process {short}", level, workload)
-                v = _rate(systems, f"vLLM CPU {short}", level, workload)
-                if h and i:
-                    claims[f"{short}_http_overhead_c{level}_{workload}"] = 1 - h / i
-                if h and v:
-                    claims.setdefault(f"{short}_vs_vllm", {}).setdefault(workload, {})[level] = h / v
-            for level in levels:  # what --batch-invariant costs, when the run had genscore both ways
+            for level in levels:  # what --batch-invariant costs and --compile gains, when the run had both ways
                 plain = _rate(systems, f"genscore HTTP {short}", level, workload)
                 invariant = _rate(systems, f"genscore HTTP {short} invariant", level, workload)
+                compiled = _rate(systems, f"genscore HTTP {short} compiled", level, workload)
                 if plain and invariant:
                     claims.setdefault(f"{short}_invariant_cost", {}).setdefault(workload, {})[level] = 1 - invariant / plain
+                if plain and compiled:
+                    claims.setdefault(f"{short}_compile_gain", {}).setdefault(workload, {})[level] = compiled / plain - 1
         cells = systems.get(f"genscore HTTP {short}", {}).get("cells", {}).get("scoring", {})
         if cells:
             claims[f"{short}_peak_share_best"] = max(c["peak_share"] for c in cells.values())
@@ -246,18 +251,23 @@ def headline(summary: dict) -> str:
         if f"{short}_vs_llama_c8" in c:
             parts.append(f"- genscore {short} over HTTP at concurrency 8: {c[f'{short}_vs_llama_c8']:.2f}× llama-server "
                          "(scoring workload).")
-        for workload, by_level in c.get(f"{short}_vs_vllm", {}).items():
-            ratios = ", ".join(f"c={level}: {ratio:.2f}×" for level, ratio in sorted(by_level.items()))
-            parts.append(f"- genscore {short} over HTTP vs vLLM CPU {short}, workload `{workload}` (prompts/s ratio): "
-                         f"{ratios}.")
+        for variant in (short, f"{short} compiled"):
+            for workload, by_level in c.get(f"{variant}_vs_vllm", {}).items():
+                ratios = ", ".join(f"c={level}: {ratio:.2f}×" for level, ratio in sorted(by_level.items()))
+                parts.append(f"- genscore {variant} over HTTP vs vLLM CPU {short}, workload `{workload}` "
+                             f"(prompts/s ratio): {ratios}.")
         if f"{short}_peak_share_best" in c:
             parts.append(f"- genscore {short} best share of the {short} matmul peak (scoring): "
                          f"{100 * c[f'{short}_peak_share_best']:.0f}%.")
-        overheads = [f"c={key.split('_c')[1].replace('_', ' ')}: {100 * v:+.0f}%"
-                     for key, v in c.items() if key.startswith(f"{short}_http_overhead")]
-        if overheads:
-            parts.append(f"- HTTP overhead vs the same Engine in-process ({short}; throughput lost): "
-                         + ", ".join(overheads) + ".")
+        for variant in (short, f"{short} compiled"):
+            overheads = [f"c={key.split('_c')[-1].replace('_', ' ')}: {100 * v:+.0f}%"
+                         for key, v in c.items() if key.startswith(f"{variant}_http_overhead")]
+            if overheads:
+                parts.append(f"- HTTP overhead vs the same Engine in-process ({variant}; throughput lost): "
+                             + ", ".join(overheads) + ".")
+        for workload, by_level in c.get(f"{short}_compile_gain", {}).items():
+            gains = ", ".join(f"c={level}: {100 * gain:+.0f}%" for level, gain in sorted(by_level.items()))
+            parts.append(f"- --compile gains genscore {short} over HTTP, workload `{workload}` (throughput): {gains}.")
         for workload, by_level in c.get(f"{short}_invariant_cost", {}).items():
             costs = ", ".join(f"c={level}: {100 * cost:+.0f}%" for level, cost in sorted(by_level.items()))
             parts.append(f"- --batch-invariant costs genscore {short} over HTTP, workload `{workload}` "

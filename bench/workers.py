@@ -75,7 +75,7 @@ def engine(spec: dict) -> dict:
     started = time.perf_counter()
     device = device_thread()  # the model loads on the thread that serves it, as in genscore serve
     loaded = device.submit(load_model, settings.model, settings.device, settings.dtype, settings.cache_dir,
-                           batch_invariant=settings.batch_invariant).result()
+                           batch_invariant=settings.batch_invariant, compile=settings.compile).result()
     load_s = time.perf_counter() - started
 
     async def main() -> dict:

@@ -156,7 +156,7 @@ def _load_pretrained(source: ModelSource, dtype: torch.dtype, cache_root: Path |
 
 def load_model(
     spec: str, device: str = "auto", dtype: str = "auto", cache_dir: Path | None = None, optimize: bool = True,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, compile: bool = False,
 ) -> LoadedModel:
     """Load the model named by `spec` onto the chosen device, in eval mode.
 
@@ -165,6 +165,8 @@ def load_model(
     reuse. False leaves the model exactly as transformers loads it.
     batch_invariant (with optimize): a request's numbers are bit-identical alone and in any batch
     (models/invariant.py), proven at load; `fast_paths.batch_invariant` says whether it held.
+    compile (with optimize): compile the decoder layers for packed scoring calls (models/compiled.py), inductor's
+    cache under cache_dir; the `compiled_layers` fast path says whether it held.
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -187,7 +189,8 @@ def load_model(
     if optimize:
         # Last: the fast paths change modules in place, and nothing may move or re-cast the model after them.
         probe_vocab = min(vocab_size, model.get_input_embeddings().weight.shape[0])
-        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id), batch_invariant)
+        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id), batch_invariant,
+                                        compile, cache_dir)
     else:
         reuse = supports_prefix_reuse(model)
         fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else NOT_PLAIN_ATTENTION),))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -75,6 +77,12 @@ def packed_sdpa_attention(
                                  f"{unknown or ['is_causal=False']}")
     kwargs.pop("is_causal", None)
     past = key.shape[2] - query.shape[2]
+    if torch.compiler.is_compiling() and not past:
+        # A compiled layer (models/compiled.py) calls the per-prompt loop below as one opaque op: its Python
+        # loop over boundaries would otherwise break the graph in every layer.
+        groups = getattr(module, "num_key_value_groups", 1)
+        return packed_attention(query, key, value, attention_mask, boundaries, groups,
+                                kwargs.get("scaling"), kwargs.get("dropout") or 0.0), None
     if past and attention_mask is None:
         raise PackingUnsupported("a packed call over past states must carry the mask of what each token sees")
     bounds = boundaries.tolist()
@@ -98,6 +106,31 @@ def packed_sdpa_attention(
             module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None, **kwargs
         )[0])  # [1, L, H, D]
     return torch.cat(parts, dim=1), None  # [1, T, H, D]
+
+
+@dataclass(frozen=True)
+class _AttentionLayer:
+    """What sdpa_attention_forward reads of an attention module, for calls made outside one."""
+
+    num_key_value_groups: int
+    is_causal: bool = True
+    training: bool = False
+
+
+@torch.library.custom_op("genscore::packed_attention", mutates_args=())
+def packed_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    boundaries: torch.Tensor, key_value_groups: int, scaling: float | None, dropout: float,
+) -> torch.Tensor:
+    """packed_sdpa_attention over prompts packed without a past, as one op: [1, T, H, D]."""
+    return packed_sdpa_attention(_AttentionLayer(key_value_groups), query, key, value, attention_mask,
+                                 cu_seq_lens_q=boundaries, scaling=scaling, dropout=dropout)[0]
+
+
+@packed_attention.register_fake
+def _(query, key, value, attention_mask, boundaries, key_value_groups, scaling, dropout) -> torch.Tensor:
+    batch, heads, tokens, dim = query.shape
+    return query.new_empty((batch, tokens, heads, dim))
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

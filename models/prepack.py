@@ -15,6 +15,17 @@ log = logging.getLogger("genscore.models")
 _LAYOUT_ROWS = 1024
 
 
+@torch.library.custom_op("genscore::prepacked_linear", mutates_args=())
+def prepacked_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """PrepackedLinear's kernel as one op a compiled graph calls as it is (models/compiled.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@prepacked_linear.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps its [out, in] shape
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout; same numbers as nn.Linear up to summation order."""
 
@@ -27,6 +38,9 @@ class PrepackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        if torch.compiler.is_compiling():
+            # inductor lowers mkldnn's op only for frozen constant weights; as an opaque op the packed weight stays
+            return prepacked_linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

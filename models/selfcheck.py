@@ -7,10 +7,12 @@ import inspect
 import logging
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from models.compiled import compile_layers, uncompile_layers
 from models.forward import forward_logits, run_one_at_a_time
 from models.head import head_logits
 from models.invariant import make_batch_invariant
@@ -52,8 +54,14 @@ SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
+# The compiled decoder layers (models/compiled.py): off unless asked for, since compiling costs seconds at start.
+COMPILED_LAYERS = "compiled_layers"
+COMPILE_NOT_REQUESTED = "not requested (--compile)"
+NOT_COMPILED_WHEN_INVARIANT = "batch-invariant: compiled kernels are not proven to keep a row's bits"
+COMPILE_NEEDS_PACKING = "compiled layers run packed calls on CPU only, and this model's calls are not packed"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
-_NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF)
+_NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
+             NOT_COMPILED_WHEN_INVARIANT)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -223,9 +231,27 @@ def _make_invariant(model: PreTrainedModel, probe: _Probe, vocab_size: int, max_
     return PathCheck(BATCH_INVARIANT, True, 0.0)
 
 
+def _compile_check(model: PreTrainedModel, compile: bool, cache_dir: Path | None, batch_invariant: bool,
+                   tolerance: float, error) -> PathCheck:
+    """Compile the decoder layers for packed calls (if asked to) and keep them if they agree with the plain forward."""
+    if not compile:
+        return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NOT_REQUESTED)
+    if batch_invariant:
+        return PathCheck(COMPILED_LAYERS, False, None, NOT_COMPILED_WHEN_INVARIANT)
+    if not supports_packing(model) or model.device.type != "cpu":
+        return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NEEDS_PACKING)
+    if not compile_layers(model, cache_dir):
+        return PathCheck(COMPILED_LAYERS, False, None, "no decoder layers the compiled path can call")
+    check = _check(COMPILED_LAYERS, tolerance, error)  # the first packed call compiles
+    if not check.enabled:
+        uncompile_layers(model)
+    return check
+
+
 @torch.inference_mode()
 def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int, pad_token_id: int,
-                       batch_invariant: bool = False) -> FastPaths:
+                       batch_invariant: bool = False, compile: bool = False,
+                       cache_dir: Path | None = None) -> FastPaths:
     """Install each fast path on `model` and keep the ones that give the plain forward's numbers.
 
     Compared with the unmodified model's own forward on the same probe sequences (one of them longer
@@ -235,6 +261,8 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     multi-token candidates read as well. A path that disagrees or raises is left off and logged.
     batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
     on the probe sequences batched with others; a path that still moves a row is switched off.
+    compile: compile the decoder layers for packed calls (models/compiled.py; CPU, not with batch_invariant),
+    keeping inductor's cache under cache_dir (None: inductor's default).
     """
     started = time.perf_counter()
     tolerance = TOLERANCE.get(model.dtype, 0.1)
@@ -270,6 +298,10 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
         if not padded.enabled:
             run_one_at_a_time(model)
         checks.append(padded)
+
+    checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance,
+                                 lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference,
+                                                model.dtype)))
 
     if supports_prefix_reuse(model):
         def prefix_error() -> float:

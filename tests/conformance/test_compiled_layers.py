@@ -1,0 +1,91 @@
+"""models/compiled.py on the tiny Llama in float32: compiled decoder layers give the plain forward's logits on packed
+calls, share one graph across layers and lengths, and leave calls with a key/value cache eager."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+
+from models import load_model
+from models.compiled import INDUCTOR_CACHE, compile_layers, is_compiled, uncompile_layers
+from models.forward import forward_logits
+from models.head import head_logits
+from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
+from tests.reference import position_logits
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dirs, tmp_path_factory):
+    torch._dynamo.reset()
+    counters.clear()
+    with pytest.MonkeyPatch.context() as patch:  # inductor's cache in a folder of this test's own
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", "float32", compile=True)
+        yield loaded
+    uncompile_layers(loaded.model)
+
+
+def _compiled_regions(run) -> int:
+    """How many compiled-graph calls `run` makes."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(1 for event in prof.events() if event.name.startswith("Torch-Compiled Region"))
+
+
+def test_compiled_layers_pass_the_self_check(compiled):
+    assert compiled.fast_paths.enabled("compiled_layers"), compiled.fast_paths.as_dict()
+    assert is_compiled(compiled.model)
+
+
+def test_packed_calls_run_compiled_and_equal_the_plain_forward(compiled, plain_models):
+    plain = plain_models["llama"]
+    generator = torch.Generator().manual_seed(3)
+    for lengths in ((5, 17, 9), (31,), (2, 3, 40, 12, 7)):
+        sequences = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in lengths]
+        keep = [min(3, n) for n in lengths]
+        got = []
+
+        def run(sequences=sequences, keep=keep, got=got):
+            got.append(forward_logits(compiled.model, sequences, 0, keep))
+
+        assert _compiled_regions(run) == compiled.model.config.num_hidden_layers  # one call per layer, one pack
+        expected = torch.cat([position_logits(plain, seq)[-k:] for seq, k in zip(sequences, keep)])
+        torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=0)
+    # every layer and every pack length above ran the one graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_calls_with_a_cache_stay_eager(compiled, plain_models):
+    plain = plain_models["llama"]
+    prefix, suffixes = [5, 6, 7, 8, 9, 10], [(11, 12), (13,)]
+    got = []
+
+    def run():
+        (state,) = prefill_prefixes(compiled.model, [prefix], 0)
+        rows = [SuffixRow(state, suffix, 1) for suffix in suffixes]
+        got.append(head_logits(compiled.model, forward_suffixes(compiled.model, rows, 0)))
+
+    assert _compiled_regions(run) == 0
+    expected = torch.stack([position_logits(plain, prefix + list(suffix))[-1] for suffix in suffixes])
+    torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=0)
+
+
+def test_compile_keeps_inductor_cache_under_the_cache_dir(tiny_loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset")  # so that undoing the next line restores the original
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        assert compile_layers(tiny_loaded.model, tmp_path)  # compiles lazily: nothing runs here
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / INDUCTOR_CACHE)
+    finally:
+        uncompile_layers(tiny_loaded.model)
+    assert not is_compiled(tiny_loaded.model)
+
+
+def test_a_one_token_pack_runs_eager(compiled, plain_models):
+    got = []
+    assert _compiled_regions(lambda: got.append(forward_logits(compiled.model, [[42]], 0))) == 0
+    torch.testing.assert_close(got[0], position_logits(plain_models["llama"], [42])[-1:], atol=1e-4, rtol=0)
