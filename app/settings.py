@@ -51,9 +51,9 @@ class Settings(BaseSettings):
     """Most sequences in one forward pass."""
     max_batch_tokens: int = Field(default=8192, ge=1)
     """Most tokens in one forward pass, padding included (sequences x longest sequence)."""
-    max_wait_ms: float = Field(default=5.0, ge=0)
-    """How long a batch that is not full waits for more work; it waits only while it holds fewer units than the last
-    batch did (a lone caller runs at once)."""
+    max_wait_ms: float = Field(default=20.0, ge=0)
+    """How long a batch that is not full waits for more work; it waits only while it holds fewer callers' requests
+    than the last batch did (a lone caller runs at once)."""
 
     default_logprobs_mode: LogprobsModeSetting = Field(default=LogprobsMode.RAW_LOGPROBS.value, validate_default=True)
     """Logprobs mode of requests that do not name one."""

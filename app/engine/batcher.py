@@ -89,7 +89,7 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         self.on_work = on_work  # told when work is queued (the engine core's wake-up)
         self._queue: asyncio.Queue[_Pending[W]] = asyncio.Queue()
         self._carry: _Pending[W] | None = None  # a unit that did not fit the last batch goes first next time
-        self._expected_units = 1  # units in the last batch: how many a new batch waits (up to max wait) to hold
+        self._expected_callers = 1  # callers in the last batch: how many a new batch waits (up to max wait) to hold
         self.held_for_room = False  # the first unit in line waits for memory (see _collect's must_fit)
         self._task: asyncio.Task | None = None
         self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
@@ -170,19 +170,21 @@ class Batcher(ConsumerLoop, Generic[W, R]):
     async def _collect(self, block: bool, max_tokens: int, must_fit: bool) -> list[_Pending[W]]:
         """The first live unit (waiting for one if `block`, else [] when none is queued), then more until size,
         `max_tokens` (padded tokens) or max wait closes the batch, or nothing more is queued and the batch holds as
-        many units as the last one. The first unit is taken whatever its size, unless
+        many callers' units as the last one. The first unit is taken whatever its size, unless
         `must_fit`: then a first unit over `max_tokens` stays first in line, nothing runs, and `held_for_room`
         says so until it runs."""
         batch: list[_Pending[W]] = []
+        callers: set[int] = set()  # the submit() calls the batch holds units of
         longest = 0
         deadline = None
         self.held_for_room = False
         while len(batch) < self._max_batch_size:
             if batch:
-                # Wait for more only while the batch is smaller than the last one: that many callers have been
-                # keeping work in flight and their next units are on the way. A lone caller (the last batch held
-                # just its unit) is not kept waiting max_wait_ms for company that is not coming.
-                if len(batch) >= self._expected_units and self._queue.empty():
+                # Wait for more only while the batch holds fewer callers than the last one: that many callers have
+                # been keeping work in flight and their next requests are on the way. A lone caller (the last batch
+                # held only its request, however many units) is not kept waiting max_wait_ms for company that is
+                # not coming.
+                if len(callers) >= self._expected_callers and self._queue.empty():
                     break
                 timeout = max(0.0, deadline - time.perf_counter())
             else:
@@ -202,11 +204,12 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                 break
             pending.ticket.started = True
             batch.append(pending)
+            callers.add(id(pending.ticket))
             longest = new_longest
             if deadline is None:
                 deadline = time.perf_counter() + self._max_wait_s
         if batch:
-            self._expected_units = len(batch)
+            self._expected_callers = len(callers)
         return batch
 
     async def run_once(self, block: bool = False, max_tokens: int | None = None, must_fit: bool = False) -> None:

@@ -86,7 +86,7 @@ async def test_a_lone_caller_is_not_kept_waiting_for_company():
     await batcher.stop()
 
 
-async def test_after_a_larger_batch_the_next_one_waits_for_as_many_units():
+async def test_after_a_larger_batch_the_next_one_waits_for_as_many_callers():
     handler = Recorder()
     batcher = make(handler, max_wait_ms=3_600_000)
     batcher.start()
@@ -94,10 +94,21 @@ async def test_after_a_larger_batch_the_next_one_waits_for_as_many_units():
     first = asyncio.create_task(batcher.submit([("b0", 1)]))
     await asyncio.sleep(0)  # b0 is queued ...
     await async_wait_until(lambda: batcher.waiting == 0, what="b0 to be taken into a batch")  # ... and taken
-    # Three callers were in flight, so the batch b0 opened waits for two more units rather than running alone.
+    # Three callers were in flight, so the batch b0 opened waits for two more callers rather than running alone.
     later = [batcher.submit([(f"b{i}", 1)]) for i in (1, 2)]
     await asyncio.wait_for(asyncio.gather(first, *later), 30)
     assert [len(b) for b in handler.batches] == [3, 3]
+    await batcher.stop()
+
+
+async def test_a_lone_caller_with_fewer_units_than_its_last_request_runs_at_once():
+    handler = Recorder()
+    batcher = make(handler, max_wait_ms=3_600_000)  # an hour: a batch that waited out max wait would time out here
+    batcher.start()
+    for n in (5, 2, 1):  # one caller whose requests hold fewer and fewer units (items of a query, say)
+        work = [(f"r{n}-{i}", 1) for i in range(n)]
+        assert await asyncio.wait_for(batcher.submit(work), 30) == [("done", w) for w in work]
+    assert [len(b) for b in handler.batches] == [5, 2, 1]
     await batcher.stop()
 
 
