@@ -58,7 +58,8 @@ NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by 
 COMPILED_LAYERS = "compiled_layers"
 COMPILE_NOT_REQUESTED = "not requested (--compile)"
 NOT_COMPILED_WHEN_INVARIANT = "batch-invariant: compiled kernels are not proven to keep a row's bits"
-COMPILE_NEEDS_PACKING = "compiled layers run packed calls on CPU only, and this model's calls are not packed"
+COMPILE_NEEDS_PACKING = "compiled layers run packed calls, and this model's calls are not packed"
+COMPILE_CPU_ONLY = "compiled layers are measured on CPU only"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT)
@@ -238,7 +239,9 @@ def _compile_check(model: PreTrainedModel, compile: bool, cache_dir: Path | None
         return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NOT_REQUESTED)
     if batch_invariant:
         return PathCheck(COMPILED_LAYERS, False, None, NOT_COMPILED_WHEN_INVARIANT)
-    if not supports_packing(model) or model.device.type != "cpu":
+    if model.device.type != "cpu":
+        return PathCheck(COMPILED_LAYERS, False, None, COMPILE_CPU_ONLY)
+    if not supports_packing(model):
         return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NEEDS_PACKING)
     if not compile_layers(model, cache_dir):
         return PathCheck(COMPILED_LAYERS, False, None, "no decoder layers the compiled path can call")

@@ -15,6 +15,7 @@ from models.compiled import INDUCTOR_CACHE, compile_layers, is_compiled, uncompi
 from models.forward import forward_logits
 from models.head import head_logits
 from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
+from models.selfcheck import NOT_COMPILED_WHEN_INVARIANT
 from tests.reference import position_logits
 
 
@@ -89,3 +90,10 @@ def test_a_one_token_pack_runs_eager(compiled, plain_models):
     got = []
     assert _compiled_regions(lambda: got.append(forward_logits(compiled.model, [[42]], 0))) == 0
     torch.testing.assert_close(got[0], position_logits(plain_models["llama"], [42])[-1:], atol=1e-4, rtol=0)
+
+
+def test_compile_is_not_combined_with_batch_invariance(tiny_model_dirs):
+    loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", "float32", compile=True, batch_invariant=True)
+    check = next(c for c in loaded.fast_paths.checks if c.name == "compiled_layers")
+    assert not check.enabled and check.reason == NOT_COMPILED_WHEN_INVARIANT
+    assert not is_compiled(loaded.model) and loaded.fast_paths.batch_invariant
