@@ -82,11 +82,11 @@ def warm_cache(settings: Settings) -> int:
     if target is None and not settings.compile:
         log.info("%s is not a GGUF file: it loads without conversion, nothing to cache", settings.model)
         return 0
+    folder = settings.cache_dir if target is None else target.parent
     try:  # fail before the (long) conversion when the cache cannot be written
-        (settings.cache_dir if target is None else target.parent).mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        log.error("cannot write the cache directory %s: %s", settings.cache_dir if target is None else target.parent,
-                  exc)
+        log.error("cannot write the cache directory %s: %s", folder, exc)
         return 1
     if target is not None:
         loaded = load_model(settings.model, device="cpu", dtype="float32", cache_dir=settings.cache_dir)

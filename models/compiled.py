@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
-
-log = logging.getLogger("genscore.models")
 
 # Where inductor keeps its compiled kernels and graphs, under the cache directory: the next start reuses them.
 INDUCTOR_CACHE = "inductor"

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 
 from models.forward import PACK_TOKENS, pad_left, plan_packs
 from models.invariant import is_batch_invariant
-from models.packed import PACKED_ATTENTION
+from models.packed import PACKED_ATTENTION, supports_packing
 
 # On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
 # suffixes of the same prefix and padded width, so the shape its attention and linears see is its own.
@@ -276,7 +276,7 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
         cache = DynamicCache(config=model.config)
         cache.layers = [_PrefixLayer(keys, values, None) for keys, values in zip(prefix.keys, prefix.values)]
         segments = {}
-        if model.config._attn_implementation == PACKED_ATTENTION:
+        if supports_packing(model):
             # Suffix boundaries let packed attention skip the keys of other suffixes (models/packed.py).
             segments["cu_seq_lens_q"] = torch.cumsum(torch.tensor([0, *lengths]), 0)  # [n + 1]
         hidden = model.base_model(

@@ -288,23 +288,22 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
         checks.append(prepacked)
     swaps.clear()  # drop the original weights: nothing may restore them now
 
+    def forward_error() -> float:  # the scoring forward (packed, padded or compiled, whichever is on)
+        return _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype)
+
     original_attention = model.config._attn_implementation
     if use_packed_attention(model):
-        packed = _check("packed_batches", tolerance,
-                        lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype))
+        packed = _check("packed_batches", tolerance, forward_error)
         if not packed.enabled:
             model.set_attn_implementation(original_attention)
         checks.append(packed)
     if not any(c.name == "packed_batches" and c.enabled for c in checks):
-        padded = _check("padded_batches", tolerance,
-                        lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype))
+        padded = _check("padded_batches", tolerance, forward_error)
         if not padded.enabled:
             run_one_at_a_time(model)
         checks.append(padded)
 
-    checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance,
-                                 lambda: _error(forward_logits(model, sequences, pad_token_id, keep), reference,
-                                                model.dtype)))
+    checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance, forward_error))
 
     if supports_prefix_reuse(model):
         def prefix_error() -> float:
