@@ -34,6 +34,25 @@ class _GivenHidden(nn.Module):
 # model -> {batch-invariant?: a shallow copy of it whose body is _GivenHidden}; built once per model and mode,
 # shares every other module
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the module its (not batch-invariant) view runs in place of lm_head: a pre-packed copy (models/prepack.py)
+_HEAD_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def set_head_linear(model: PreTrainedModel, linear: nn.Module | None) -> None:
+    """Make head_logits run `linear` in place of the model's lm_head (None: lm_head itself again).
+
+    Only the view changes: the model's own lm_head, often tied to its input embeddings, stays in place.
+    """
+    if linear is None:
+        _HEAD_LINEARS.pop(model, None)
+    else:
+        _HEAD_LINEARS[model] = linear
+    _HEADS.pop(model, None)  # views are rebuilt around it
+
+
+def head_linear(model: PreTrainedModel) -> nn.Module | None:
+    """The module set_head_linear put in place of the model's lm_head, if any (its weights are held on top)."""
+    return _HEAD_LINEARS.get(model)
 
 
 def _head_view(model: PreTrainedModel) -> PreTrainedModel:
@@ -41,7 +60,8 @@ def _head_view(model: PreTrainedModel) -> PreTrainedModel:
 
     A copy, not a swap on the model itself: the model's body stays in place for every other caller, and the
     view shares lm_head, config and any scale parameters with it (no weights are copied). For a batch-invariant
-    model the view's lm_head runs in fixed row tiles (models/invariant.py), the model's own stays as it is.
+    model the view's lm_head runs in fixed row tiles (models/invariant.py); otherwise the view runs the module
+    set_head_linear gave it, if any. The model's own lm_head stays as it is.
     """
     invariant = is_batch_invariant(model)
     views = _HEADS.setdefault(model, {})
@@ -53,8 +73,10 @@ def _head_view(model: PreTrainedModel) -> PreTrainedModel:
         for name, child in model.named_children():
             if child is model.base_model:
                 head._modules[name] = _GivenHidden()
-            elif invariant and child is lm_head:
+            elif child is lm_head and invariant:
                 head._modules[name] = tiled_head(child)
+            elif child is lm_head and model in _HEAD_LINEARS:
+                head._modules[name] = _HEAD_LINEARS[model]
         views[invariant] = head
     return head
 

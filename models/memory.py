@@ -70,7 +70,8 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 class MemoryModel:
     """Worst-case bytes of each kind of work the engine runs, for one loaded model."""
 
-    weights_bytes: int  # parameters + buffers as loaded (pre-packed copies included: they replace the originals)
+    weights_bytes: int  # parameters + buffers as loaded (pre-packed copies included: they replace the originals,
+    # except the head view's packed lm_head, which comes on top)
     kv_bytes_per_token: int  # keys + values of every layer for one token of one sequence, in the cache dtype
     num_layers: int
     hidden_size: int
@@ -85,6 +86,7 @@ class MemoryModel:
     def of(cls, loaded) -> MemoryModel:
         """From a models.loading.LoadedModel: its config for the shapes, its tensors for the weights."""
         from models.forward import PACK_TOKENS
+        from models.head import head_linear
 
         config = loaded.model.config
         config = getattr(config, "text_config", None) or config
@@ -96,7 +98,7 @@ class MemoryModel:
         intermediate = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
         element = torch.empty((), dtype=loaded.dtype).element_size()
         return cls(
-            weights_bytes=_tensor_bytes(loaded.model),
+            weights_bytes=_tensor_bytes(loaded.model) + _tensor_bytes(head_linear(loaded.model) or torch.nn.Module()),
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
             num_layers=layers,
             hidden_size=hidden,

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from models.compiled import compile_layers, uncompile_layers
 from models.forward import forward_logits, run_one_at_a_time
-from models.head import head_logits
+from models.head import head_logits, set_head_linear
 from models.invariant import make_batch_invariant
 from models.packed import supports_packing, use_packed_attention
 from models.prefix import (
@@ -25,7 +25,7 @@ from models.prefix import (
     supports_prefix_reuse,
     use_packed_suffixes,
 )
-from models.prepack import prepack_linears, restore_linears
+from models.prepack import prepack_linears, prepacked_head, restore_linears
 
 log = logging.getLogger("genscore.models")
 
@@ -281,10 +281,16 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
 
     swaps = prepack_linears(model)
     if swaps:
-        prepacked = _check("prepacked_linears", tolerance,
-                           lambda: _error(_plain_logits(model, sequences, keep)[0], reference, model.dtype))
+        set_head_linear(model, prepacked_head(model))
+
+        def prepacked_error() -> float:  # the body's packed linears, then the head view's packed lm_head
+            body = _error(_plain_logits(model, sequences, keep)[0], reference, model.dtype)
+            return max(body, _error(head_logits(model, plain_hidden), reference, model.dtype))
+
+        prepacked = _check("prepacked_linears", tolerance, prepacked_error)
         if not prepacked.enabled:
             restore_linears(swaps)
+            set_head_linear(model, None)
         checks.append(prepacked)
     swaps.clear()  # drop the original weights: nothing may restore them now
 

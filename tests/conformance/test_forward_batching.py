@@ -10,6 +10,7 @@ import torch
 import models.forward
 from models import load_model
 from models.forward import forward_logits, plan_micro_batches, plan_packs
+from models.head import head_linear, head_logits
 from models.packed import supports_packing
 from models.prepack import PrepackedLinear
 
@@ -83,3 +84,23 @@ def test_serving_kernels_leave_lm_head_and_embeddings_alone(tiny_loaded):
     assert prepacked and not isinstance(model.get_output_embeddings(), PrepackedLinear)
     if model.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_the_output_head_runs_a_prepacked_copy_of_lm_head(tiny_loaded, monkeypatch):
+    model = tiny_loaded.model
+    packed = head_linear(model)
+    assert isinstance(packed, PrepackedLinear)  # on top of the model's own lm_head, which stays plain
+    calls = []
+    real = PrepackedLinear.forward
+
+    def spy(self, x):
+        calls.append(self)
+        return real(self, x)
+
+    monkeypatch.setattr(PrepackedLinear, "forward", spy)
+    hidden = torch.randn(5, model.config.hidden_size)  # [N, H]
+    with torch.inference_mode():
+        got = head_logits(model, hidden)  # [N, V]
+        expected = model.get_output_embeddings()(hidden).float()
+    assert calls == [packed]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

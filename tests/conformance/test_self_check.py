@@ -51,6 +51,25 @@ def test_prepacked_linears_that_disagree_are_put_back(mistral, monkeypatch):
     loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
     assert not paths_of(loaded)["prepacked_linears"].enabled
     assert not any(isinstance(m, models.prepack.PrepackedLinear) for m in loaded.model.modules())
+    assert models.head.head_linear(loaded.model) is None
+
+
+def test_a_prepacked_head_that_disagrees_is_put_back(mistral, monkeypatch):
+    real = models.prepack.PrepackedLinear.forward
+
+    def wrong_head(self, x):  # right for the body's linears, wrong for lm_head only
+        out = real(self, x)
+        return out * 1.01 if self.out_features == loaded_vocab else out
+
+    loaded_vocab = AutoModelForCausalLM.from_pretrained(mistral).get_output_embeddings().out_features
+    monkeypatch.setattr(models.prepack.PrepackedLinear, "forward", wrong_head)
+    loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
+    assert not paths_of(loaded)["prepacked_linears"].enabled
+    assert models.head.head_linear(loaded.model) is None
+    prompts = [list(range(3, 3 + n)) for n in (5, 2 * WINDOW)]
+    plain = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
+    got = forward_logits(loaded.model, prompts, loaded.pad_token_id).log_softmax(-1)
+    assert (got - last_logprobs(plain, prompts)).abs().max().item() < 1e-4
 
 
 def test_a_head_that_disagrees_fails_the_load(mistral, monkeypatch):
