@@ -78,14 +78,14 @@ class MemoryModel:
     intermediate_size: int
     vocab_size: int
     element_bytes: int  # bytes of one element of the model dtype
-    # scoring forwards run in packs of about this many tokens (models/forward.py PACK_TOKENS), so only one pack's
+    # scoring forwards run in packs of about this many tokens (models/forward.py pack_tokens), so only one pack's
     # activations are alive at a time; 0 when the model cannot pack (padded micro-batches, all at once at worst)
     pack_tokens: int = 0
 
     @classmethod
     def of(cls, loaded) -> MemoryModel:
         """From a models.loading.LoadedModel: its config for the shapes, its tensors for the weights."""
-        from models.forward import PACK_TOKENS
+        from models.forward import pack_tokens
         from models.head import head_linear
 
         config = loaded.model.config
@@ -105,7 +105,7 @@ class MemoryModel:
             intermediate_size=intermediate,
             vocab_size=loaded.vocab_size,
             element_bytes=element,
-            pack_tokens=PACK_TOKENS if loaded.fast_paths.enabled("packed_batches") else 0,
+            pack_tokens=pack_tokens(loaded.model) if loaded.fast_paths.enabled("packed_batches") else 0,
         )
 
     def logits_bytes(self, kept: int) -> int:

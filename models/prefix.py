@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from models.forward import PACK_TOKENS, pad_left, plan_packs
+from models.forward import pack_tokens, pad_left, plan_packs
 from models.invariant import is_batch_invariant
 from models.packed import PACKED_ATTENTION, supports_packing
 
@@ -241,13 +241,13 @@ def _kept_states(rows: Sequence[SuffixRow], suffix_states: Sequence[torch.Tensor
 
 
 def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
-    """forward_suffixes packed: rows grouped by prefix, each group's suffixes in calls of up to PACK_TOKENS tokens."""
+    """forward_suffixes packed: rows grouped by prefix, each group's suffixes in calls of up to pack_tokens(model)."""
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(id(row.prefix), []).append(i)
     blocks: list[torch.Tensor | None] = [None] * len(rows)
     for members in groups.values():
-        for call in plan_packs([len(rows[i].suffix) for i in members], PACK_TOKENS):
+        for call in plan_packs([len(rows[i].suffix) for i in members], pack_tokens(model)):
             call = [members[c] for c in call]
             hidden = _packed_suffix_pass(model, [rows[i] for i in call])
             for i, block in zip(call, hidden.split([rows[i].keep for i in call])):

@@ -9,7 +9,7 @@ import torch
 
 import models.forward
 from models import load_model
-from models.forward import forward_logits, plan_micro_batches, plan_packs
+from models.forward import PACK_TOKENS, forward_logits, pack_tokens, plan_micro_batches, plan_packs
 from models.head import head_linear, head_logits
 from models.packed import supports_packing
 from models.prepack import PrepackedLinear
@@ -104,3 +104,17 @@ def test_the_output_head_runs_a_prepacked_copy_of_lm_head(tiny_loaded, monkeypat
         expected = model.get_output_embeddings()(hidden).float()
     assert calls == [packed]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_half_precision_packs_twice_the_tokens_per_call(tiny_model_dirs):
+    loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", "bfloat16")
+    assert pack_tokens(loaded.model) == 2 * PACK_TOKENS
+    calls = []
+    hook = loaded.model.base_model.register_forward_hook(lambda _m, args, kwargs, out: calls.append(1),
+                                                         with_kwargs=True)
+    sequences = [list(range(3, 3 + 60)) for _ in range(25)]  # 1500 tokens: two float32-sized packs, one here
+    try:
+        forward_logits(loaded.model, sequences, loaded.pad_token_id)
+    finally:
+        hook.remove()
+    assert len(calls) == 1

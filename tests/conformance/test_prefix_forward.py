@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import models.forward
 import models.packed
 import models.prefix
 from models import load_model
@@ -62,7 +63,7 @@ def test_keep_beyond_the_suffix_is_refused(loaded):
 
 
 def test_packed_suffixes_beyond_one_call_are_split_and_equal_full_passes(loaded, plain, layout, monkeypatch):
-    monkeypatch.setattr(models.prefix, "PACK_TOKENS", 5)  # 4 suffixes of 2-4 tokens: several calls
+    monkeypatch.setattr(models.forward, "PACK_TOKENS", 5)  # 4 suffixes of 2-4 tokens: several calls (float32)
     generator = torch.Generator().manual_seed(1)
     prefix = torch.randint(3, 300, (9,), generator=generator).tolist()
     suffixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 2, 4, 3)]
