@@ -97,8 +97,9 @@ class MemoryModel:
         head_dim = _config_int(config, "head_dim") or hidden // heads
         intermediate = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
         element = torch.empty((), dtype=loaded.dtype).element_size()
+        head = head_linear(loaded.model)  # the head view's packed lm_head, held on top of the model's tensors
         return cls(
-            weights_bytes=_tensor_bytes(loaded.model) + _tensor_bytes(head_linear(loaded.model) or torch.nn.Module()),
+            weights_bytes=_tensor_bytes(loaded.model) + (0 if head is None else _tensor_bytes(head)),
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
             num_layers=layers,
             hidden_size=hidden,

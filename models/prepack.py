@@ -59,14 +59,18 @@ def _works(dtype: torch.dtype) -> bool:
         return False
 
 
+def _packable(model: PreTrainedModel) -> bool:
+    """Whether the packed kernel applies to `model`: on CPU, in float32 or bfloat16, and working in this build."""
+    return model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16) and _works(model.dtype)
+
+
 def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Linear]]:
     """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns the swaps, for restore_linears.
 
     CPU, float32 or bfloat16 only. lm_head is not swapped here: its weight is often tied to the input embeddings,
     which must stay a plain matrix; prepacked_head packs a copy of it.
     """
-    dtype = model.dtype
-    if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not _works(dtype):
+    if not _packable(model):
         return []
     swaps = []
     for module in model.base_model.modules():
@@ -79,17 +83,15 @@ def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Lin
 
 def prepacked_head(model: PreTrainedModel) -> PrepackedLinear | None:
     """A pre-packed copy of the model's lm_head, for its head view (models/head.py set_head_linear); None when
-    lm_head is not a plain nn.Linear or the packed kernel does not apply (prepack_linears' conditions).
+    lm_head is not a plain nn.Linear or the packed kernel does not apply (_packable).
 
     A copy: a tied lm_head shares its matrix with the input embeddings, which stay plain, so the largest matrix
     is held twice (V x H, 57 MB for SmolLM2-135M in bfloat16). It pays on the small row counts the head runs on:
     1-32 rows of SmolLM2-135M's 49k x 576 head take 35-45% less time in bfloat16, and 8 rows in float32 half,
-    than nn.Linear on the plain matrix (measured on CPU, bench/ has the forward-level numbers).
+    than nn.Linear on the plain matrix (measured on CPU; README "Performance" has the forward-level numbers).
     """
     head = model.get_output_embeddings()
-    dtype = model.dtype
-    if (type(head) is not nn.Linear or model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
-            or not _works(dtype)):
+    if type(head) is not nn.Linear or not _packable(model):
         return None
     return PrepackedLinear(head)
 

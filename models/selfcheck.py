@@ -281,7 +281,8 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
 
     swaps = prepack_linears(model)
     if swaps:
-        set_head_linear(model, prepacked_head(model))
+        # A batch-invariant head runs the plain lm_head in row tiles (models/head.py), so no packed copy is held.
+        set_head_linear(model, None if batch_invariant else prepacked_head(model))
 
         def prepacked_error() -> float:  # the body's packed linears, then the head view's packed lm_head
             body = _error(_plain_logits(model, sequences, keep)[0], reference, model.dtype)
