@@ -11,6 +11,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 # The attention implementation genscore installs: SDPA, plus a per-prompt path when a call is packed.
 PACKED_ATTENTION = "genscore_packed_sdpa"
+# Keyword of a packed call over past states (models/prefix.py): for each segment, the [start, end) of the past
+# keys it reads, [n, 2]. Segments of several prefixes then share one call, each group reading only its own prefix.
+PAST_SPANS = "past_spans"
 
 
 class PackingUnsupported(RuntimeError):
@@ -20,7 +23,7 @@ class PackingUnsupported(RuntimeError):
 # Keyword arguments the per-prompt path honours: SDPA's own, and ones whose effect the mask already carries
 # (a sliding window is part of the mask transformers builds) or that only describe the call.
 _HONOURED = {"dropout", "scaling", "is_causal", "sliding_window", "position_ids", "cu_seq_lens_k",
-             "max_length_q", "max_length_k", "output_attentions", "use_cache"}
+             "max_length_q", "max_length_k", "output_attentions", "use_cache", PAST_SPANS}
 
 
 # Queries per attention call over a shared prefix's states: fewer calls against fewer keys per query. Tuned on CPU.
@@ -31,16 +34,17 @@ def _causal(length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril_()
 
 
-def _groups(bounds: list[int], group_tokens: int) -> list[tuple[int, int]]:
-    """Consecutive segments [a, b) of the row, merged while a group spans at most group_tokens (a longer one alone)."""
-    groups: list[tuple[int, int]] = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+def _groups(bounds: list[int], spans: list[tuple[int, int]], group_tokens: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive segments [a, b) of the row that read the same past span [s, e), merged while a group spans at
+    most group_tokens (a longer one alone): (a, b, s, e) per group."""
+    groups: list[tuple[int, int, int, int]] = []
+    for (a, b), span in zip(zip(bounds[:-1], bounds[1:]), spans):
         if a == b:
             continue  # an empty segment has no queries
-        if groups and b - groups[-1][0] <= group_tokens:
-            groups[-1] = (groups[-1][0], b)
+        if groups and groups[-1][2:] == span and b - groups[-1][0] <= group_tokens:
+            groups[-1] = (groups[-1][0], b, *span)
         else:
-            groups.append((a, b))
+            groups.append((a, b, *span))
     return groups
 
 
@@ -60,15 +64,17 @@ def packed_sdpa_attention(
     a sliding window, or any other pattern that depends only on the distance between tokens, is kept), or plain
     causal attention where the model built none or the block is causal.
 
-    With a past (packed suffixes, models/prefix.py), the caller's mask says what each suffix token sees: the
-    past and its own suffix. Segments are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a group
-    attends to the past plus its own keys under its block of that mask, instead of every query to all
-    past + T keys: the keys it skips are masked out for it anyway.
+    With a past (packed suffixes, models/prefix.py), the caller's mask says what each suffix token sees: its
+    prefix's part of the past (all of it, unless PAST_SPANS says which part) and its own suffix. Segments that
+    read the same part are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a group attends to that
+    part plus its own keys under its block of that mask, instead of every query to all past + T keys: the keys it
+    skips are masked out for it anyway.
 
     Anything else the layer passes (attention sinks, soft-capping, a non-causal layer) raises PackingUnsupported
     rather than being dropped.
     """
     boundaries = kwargs.pop("cu_seq_lens_q", None)
+    past_spans = kwargs.pop(PAST_SPANS, None)
     if boundaries is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
@@ -88,11 +94,12 @@ def packed_sdpa_attention(
     bounds = boundaries.tolist()
     parts = []
     if past:
-        for a, b in _groups(bounds, SUFFIX_GROUP_TOKENS):
+        spans = [(0, past)] * (len(bounds) - 1) if past_spans is None else [tuple(s) for s in past_spans.tolist()]
+        for a, b, s, e in _groups(bounds, spans, SUFFIX_GROUP_TOKENS):
             own = slice(past + a, past + b)
-            keys = torch.cat([key[:, :, :past], key[:, :, own]], dim=2)  # [1, H_kv, past + L, D]
-            values = torch.cat([value[:, :, :past], value[:, :, own]], dim=2)
-            block = torch.cat([attention_mask[:, :, a:b, :past], attention_mask[:, :, a:b, own]], dim=-1)
+            keys = torch.cat([key[:, :, s:e], key[:, :, own]], dim=2)  # [1, H_kv, e - s + L, D]
+            values = torch.cat([value[:, :, s:e], value[:, :, own]], dim=2)
+            block = torch.cat([attention_mask[:, :, a:b, s:e], attention_mask[:, :, a:b, own]], dim=-1)
             parts.append(sdpa_attention_forward(
                 module, query[:, :, a:b], keys, values, block, is_causal=False, **kwargs
             )[0])  # [1, L, H, D]

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 
 from models.forward import pack_tokens, pad_left, plan_packs
 from models.invariant import is_batch_invariant
-from models.packed import PACKED_ATTENTION, supports_packing
+from models.packed import PACKED_ATTENTION, PAST_SPANS, pack, supports_packing
 
 # On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
 # suffixes of the same prefix and padded width, so the shape its attention and linears see is its own.
@@ -106,25 +106,37 @@ def supports_prefix_reuse(model: PreTrainedModel) -> bool:
 
 @torch.inference_mode()
 def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
-    """Run each prefix once (left-padded together; alone on a batch-invariant model, where the padding would change
-    the order attention sums in) and keep its key/value states and last hidden state."""
+    """Run each prefix once and keep its key/value states and last hidden state: packed back to back in one call
+    where the model packs (models/packed.py), else left-padded together (alone on a batch-invariant model, where
+    the padding would change the order attention sums in)."""
     if is_batch_invariant(model) and len(prefixes) > 1:
         return [state for prefix in prefixes for state in prefill_prefixes(model, [prefix], pad_token_id)]
     device = model.device
-    input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
     cache = DynamicCache(config=model.config)
+    if supports_packing(model):
+        input_ids, position_ids, boundaries = pack(prefixes, device)
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
+            use_cache=True, cu_seq_lens_q=boundaries, **{_cache_kwarg(model): cache},
+        ).last_hidden_state[0]  # [sum of lengths, H]
+        spans = list(zip(boundaries[:-1].tolist(), boundaries[1:].tolist()))  # each prefix's [start, end)
+        return [_kept_prefix(tokens, cache, 0, start, end, hidden[end - 1]) for tokens, (start, end) in zip(prefixes, spans)]
+    input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
     hidden = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         use_cache=True, **{_cache_kwarg(model): cache},
     ).last_hidden_state  # [G, T, H]
     width = input_ids.shape[1]
-    states = []
-    for row, tokens in enumerate(prefixes):
-        start = width - len(tokens)  # the row's real tokens sit at the right end
-        keys = tuple(layer.keys[row : row + 1, :, start:, :].clone() for layer in cache.layers)  # [1, H, P, D]
-        values = tuple(layer.values[row : row + 1, :, start:, :].clone() for layer in cache.layers)
-        states.append(PrefixState(tuple(tokens), keys, values, hidden[row, -1].clone()))
-    return states
+    # each row's real tokens sit at its right end
+    return [_kept_prefix(tokens, cache, row, width - len(tokens), width, hidden[row, -1]) for row, tokens in enumerate(prefixes)]
+
+
+def _kept_prefix(tokens: Sequence[int], cache: DynamicCache, row: int, start: int, end: int,
+                 last_hidden: torch.Tensor) -> PrefixState:
+    """One prefix's states, copied out of a prefill's cache: its row, columns [start, end) of every layer."""
+    keys = tuple(layer.keys[row : row + 1, :, start:end, :].clone() for layer in cache.layers)  # [1, H, P, D]
+    values = tuple(layer.values[row : row + 1, :, start:end, :].clone() for layer in cache.layers)
+    return PrefixState(tuple(tokens), keys, values, last_hidden.clone())
 
 
 def _stack_prefixes(states: Sequence[PrefixState], layer: int, pick) -> torch.Tensor:
@@ -241,50 +253,74 @@ def _kept_states(rows: Sequence[SuffixRow], suffix_states: Sequence[torch.Tensor
 
 
 def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
-    """forward_suffixes packed: rows grouped by prefix, each group's suffixes in calls of up to pack_tokens(model)."""
+    """forward_suffixes packed: rows grouped by prefix, in calls of up to pack_tokens(model) suffix tokens each. A
+    call may hold the suffixes of several prefixes (the queries of a batch share its linears)."""
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(id(row.prefix), []).append(i)
+    order = [i for members in groups.values() for i in members]  # each prefix's rows together, in first-seen order
     blocks: list[torch.Tensor | None] = [None] * len(rows)
-    for members in groups.values():
-        for call in plan_packs([len(rows[i].suffix) for i in members], pack_tokens(model)):
-            call = [members[c] for c in call]
-            hidden = _packed_suffix_pass(model, [rows[i] for i in call])
-            for i, block in zip(call, hidden.split([rows[i].keep for i in call])):
-                blocks[i] = block
+    for call in plan_packs([len(rows[i].suffix) for i in order], pack_tokens(model)):
+        call = [order[c] for c in call]
+        hidden = _packed_suffix_pass(model, [rows[i] for i in call])
+        for i, block in zip(call, hidden.split([rows[i].keep for i in call])):
+            blocks[i] = block
     return torch.cat(blocks)
 
 
 def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
-    """Rows of one prefix in one model call: their suffixes back to back after the prefix's states, [sum keep, H].
+    """Rows in one model call, those of one prefix next to each other: their suffixes back to back after the states
+    of their prefixes (laid one after another), [sum keep, H].
 
-    Each suffix token attends to the whole prefix and to its own suffix up to itself, never to another suffix:
-    exactly what it sees in a plain pass of prefix + suffix, at the same position ids. Unlike one padded row per
-    suffix, no pad token is computed and the prefix's states are read once, not copied into every row.
+    Each suffix token attends to its own prefix and to its own suffix up to itself, never to another suffix or
+    prefix: exactly what it sees in a plain pass of prefix + suffix, at the same position ids. Unlike one padded
+    row per suffix, no pad token is computed and each prefix's states are read once, not copied into every row.
     """
-    prefix = rows[0].prefix
     device = model.device
+    starts: dict[int, int] = {}  # id(prefix) -> where its states start in the call's past
+    prefixes: list[PrefixState] = []
+    for row in rows:
+        if id(row.prefix) not in starts:
+            starts[id(row.prefix)] = sum(p.length for p in prefixes)
+            prefixes.append(row.prefix)
+    past = sum(p.length for p in prefixes)
     lengths = [len(row.suffix) for row in rows]
     total = sum(lengths)
     hidden = None
     if total:
+        spans = torch.tensor([[starts[id(row.prefix)], starts[id(row.prefix)] + row.prefix.length] for row in rows],
+                             dtype=torch.long)  # [n, 2]: the past keys each suffix reads
         input_ids = torch.tensor([token for row in rows for token in row.suffix], dtype=torch.long)[None]  # [1, T]
         offsets = torch.cat([torch.arange(n) for n in lengths])  # [T]: each token's place in its suffix
         owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # [T]: its suffix
         own_past = (owner[:, None] == owner[None, :]) & (offsets[None, :] <= offsets[:, None])  # [T, T]
-        mask = torch.cat([torch.ones(total, prefix.length, dtype=torch.bool), own_past], dim=1)  # [T, P + T]
+        columns = torch.arange(past)[None]  # [1, past]
+        own_prefix = (columns >= spans[owner, :1]) & (columns < spans[owner, 1:])  # [T, past]
+        mask = torch.cat([own_prefix, own_past], dim=1)  # [T, past + T]
+        positions = offsets + torch.tensor([row.prefix.length for row in rows])[owner]  # [T]
         cache = DynamicCache(config=model.config)
-        cache.layers = [_PrefixLayer(keys, values, None) for keys, values in zip(prefix.keys, prefix.values)]
+        cache.layers = [
+            _PrefixLayer(_concat_prefixes(prefixes, i, lambda s: s.keys),
+                         _concat_prefixes(prefixes, i, lambda s: s.values), None)
+            for i in range(len(prefixes[0].keys))
+        ]
         segments = {}
         if supports_packing(model):
-            # Suffix boundaries let packed attention skip the keys of other suffixes (models/packed.py).
+            # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
             segments["cu_seq_lens_q"] = torch.cumsum(torch.tensor([0, *lengths]), 0)  # [n + 1]
+            segments[PAST_SPANS] = spans
         hidden = model.base_model(
-            input_ids=input_ids.to(device), attention_mask=mask[None, None].to(device),  # [1, 1, T, P + T]
-            position_ids=(offsets + prefix.length)[None].to(device), use_cache=True,
+            input_ids=input_ids.to(device), attention_mask=mask[None, None].to(device),  # [1, 1, T, past + T]
+            position_ids=positions[None].to(device), use_cache=True,
             **{_cache_kwarg(model): cache}, **segments,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
+
+
+def _concat_prefixes(states: Sequence[PrefixState], layer: int, pick) -> torch.Tensor:
+    """The prefixes of one layer one after another along the sequence: [1, H, sum of lengths, D]."""
+    tensors = [pick(state)[layer] for state in states]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)
 
 
 @dataclass

@@ -90,3 +90,27 @@ def test_packed_suffix_attention_in_groups_equals_full_passes(loaded, plain, mon
     got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
     expected = torch.cat([position_logits(plain, prefix + s)[-k:] for s, k in zip(suffixes, keeps)])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_several_prefixes_prefill_in_one_call_and_their_suffixes_share_one(loaded, plain):
+    """Packed: prefixes of different lengths are prefilled back to back in one call (no padding), and the suffixes
+    hanging off all of them run in one more call, each seeing only its own prefix: still the plain-pass logits."""
+    assert loaded.fast_paths.enabled("packed_suffixes"), loaded.fast_paths.as_dict()
+    calls = []  # the [B, T] of each model call
+    hook = loaded.model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    generator = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (4, 9, 6)]
+    try:
+        states = prefill_prefixes(loaded.model, prefixes, loaded.pad_token_id)
+        assert calls == [(1, 19)]
+        cases = [(1, [7, 8], 3), (0, [9], 1), (2, [10, 11, 12], 2), (1, [], 1), (0, [13, 14, 15, 16], 4), (2, [5], 2)]
+        rows = [SuffixRow(states[p], tuple(suffix), keep) for p, suffix, keep in cases]
+        got = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))
+        assert calls == [(1, 19), (1, 11)]
+    finally:
+        hook.remove()
+    for state, prefix in zip(states, prefixes):
+        assert state.tokens == tuple(prefix) and state.keys[0].shape[-2] == len(prefix)
+    expected = torch.cat([position_logits(plain, prefixes[p] + suffix)[-keep:] for p, suffix, keep in cases])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
