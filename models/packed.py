@@ -30,8 +30,11 @@ _HONOURED = {"dropout", "scaling", "is_causal", "sliding_window", "position_ids"
 SUFFIX_GROUP_TOKENS = 256
 
 
-def _causal(length: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+def _is_causal(block: torch.Tensor) -> bool:
+    """Whether a [1, 1, L, L] mask block is exactly the boolean causal mask."""
+    length = block.shape[-1]
+    return (block.dtype == torch.bool and block.shape[1] == 1 and block.shape[-2] == length
+            and torch.equal(block[0, 0], torch.ones(length, length, dtype=torch.bool, device=block.device).tril_()))
 
 
 def _groups(bounds: list[int], spans: list[tuple[int, int]], group_tokens: int) -> list[tuple[int, int, int, int]]:
@@ -65,10 +68,11 @@ def packed_sdpa_attention(
     causal attention where the model built none or the block is causal.
 
     With a past (packed suffixes, models/prefix.py), the caller's mask says what each suffix token sees: its
-    prefix's part of the past (all of it, unless PAST_SPANS says which part) and its own suffix. Segments that
-    read the same part are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a group attends to that
-    part plus its own keys under its block of that mask, instead of every query to all past + T keys: the keys it
-    skips are masked out for it anyway.
+    prefix's part of the past (all of it, unless PAST_SPANS says which part) and its own suffix. Without a past,
+    PAST_SPANS may point into the row itself: a prefix prefilled in the same call as its suffixes (its own span
+    empty). Segments that read the same part are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a
+    group attends to that part plus its own keys under its block of that mask, instead of every query to all
+    past + T keys: the keys it skips are masked out for it anyway.
 
     Anything else the layer passes (attention sinks, soft-capping, a non-causal layer) raises PackingUnsupported
     rather than being dropped.
@@ -83,31 +87,32 @@ def packed_sdpa_attention(
                                  f"{unknown or ['is_causal=False']}")
     kwargs.pop("is_causal", None)
     past = key.shape[2] - query.shape[2]
-    if torch.compiler.is_compiling() and not past:
+    spanned = past > 0 or past_spans is not None  # queries that also read keys outside their own segment
+    if torch.compiler.is_compiling() and not spanned:
         # A compiled layer (models/compiled.py) calls the per-prompt loop below as one opaque op: its Python
         # loop over boundaries would otherwise break the graph in every layer.
         groups = getattr(module, "num_key_value_groups", 1)
         return packed_attention(query, key, value, attention_mask, boundaries, groups,
                                 kwargs.get("scaling"), kwargs.get("dropout") or 0.0), None
-    if past and attention_mask is None:
-        raise PackingUnsupported("a packed call over past states must carry the mask of what each token sees")
+    if spanned and attention_mask is None:
+        raise PackingUnsupported("a packed call over past states or spans must carry the mask of what each token sees")
     bounds = boundaries.tolist()
     parts = []
-    if past:
+    if spanned:
         spans = [(0, past)] * (len(bounds) - 1) if past_spans is None else [tuple(s) for s in past_spans.tolist()]
         for a, b, s, e in _groups(bounds, spans, SUFFIX_GROUP_TOKENS):
             own = slice(past + a, past + b)
             keys = torch.cat([key[:, :, s:e], key[:, :, own]], dim=2)  # [1, H_kv, e - s + L, D]
             values = torch.cat([value[:, :, s:e], value[:, :, own]], dim=2)
             block = torch.cat([attention_mask[:, :, a:b, s:e], attention_mask[:, :, a:b, own]], dim=-1)
+            block = None if s == e and _is_causal(block) else block  # a prefix of its own: the causal kernel
             parts.append(sdpa_attention_forward(
-                module, query[:, :, a:b], keys, values, block, is_causal=False, **kwargs
+                module, query[:, :, a:b], keys, values, block, is_causal=block is None, **kwargs
             )[0])  # [1, L, H, D]
         return torch.cat(parts, dim=1), None  # [1, T, H, D]
     for a, b in zip(bounds[:-1], bounds[1:]):
         block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
-        if (block is not None and block.dtype == torch.bool and block.shape[1] == 1
-                and torch.equal(block[0, 0], _causal(b - a, block.device))):
+        if block is not None and _is_causal(block):
             block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
         parts.append(sdpa_attention_forward(
             module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None, **kwargs

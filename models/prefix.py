@@ -131,6 +131,102 @@ def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], 
     return [_kept_prefix(tokens, cache, row, width - len(tokens), width, hidden[row, -1]) for row, tokens in enumerate(prefixes)]
 
 
+@torch.inference_mode()
+def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]],
+                          rows: Sequence[tuple[int, Sequence[int], int]], pad_token_id: int
+                          ) -> tuple[list[PrefixState], torch.Tensor]:
+    """Prefill `prefixes` and run the suffixes that hang off them: the prefixes' states, and the kept hidden states
+    of each (prefix index, suffix, keep) row, row after row, [sum keep, H], as forward_suffixes over those states.
+
+    Where suffixes run packed (use_packed_suffixes), a prefix and the suffixes that fit after it in pack_tokens(model)
+    run in the same call (_prefix_and_suffixes_pass), one model call instead of two; the rest run over its states.
+    """
+    if model not in _PACKED_SUFFIXES or is_batch_invariant(model) or not supports_packing(model):
+        states = prefill_prefixes(model, prefixes, pad_token_id)
+        return states, forward_suffixes(model, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], pad_token_id)
+    for _, suffix, keep in rows:
+        if not 1 <= keep <= len(suffix) + 1:
+            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {keep} for {len(suffix)} tokens")
+    budget = pack_tokens(model)
+    along: list[list[int]] = [[] for _ in prefixes]  # per prefix: the rows that run in its call
+    later: list[int] = []  # rows that do not fit after their prefix: they run over its states
+    sizes = [len(prefix) for prefix in prefixes]  # per prefix: tokens of its call's share
+    for i, (p, suffix, _) in enumerate(rows):
+        if sizes[p] + len(suffix) <= budget:
+            along[p].append(i)
+            sizes[p] += len(suffix)
+        else:
+            later.append(i)
+    states: list[PrefixState | None] = [None] * len(prefixes)
+    blocks: list[torch.Tensor | None] = [None] * len(rows)
+    for call in plan_packs(sizes, budget):
+        called = _prefix_and_suffixes_pass(model, [prefixes[p] for p in call], [[rows[i] for i in along[p]] for p in call])
+        for p, (state, hidden) in zip(call, called):
+            states[p] = state
+            for i, block in zip(along[p], hidden.split([rows[i][2] for i in along[p]])):
+                blocks[i] = block
+    if later:
+        hidden = forward_suffixes(model, [SuffixRow(states[rows[i][0]], tuple(rows[i][1]), rows[i][2]) for i in later],
+                                  pad_token_id)
+        for i, block in zip(later, hidden.split([rows[i][2] for i in later])):
+            blocks[i] = block
+    return states, torch.cat(blocks) if blocks else torch.empty(0)
+
+
+def _prefix_and_suffixes_pass(model: PreTrainedModel, prefixes: Sequence[Sequence[int]],
+                              suffixes: Sequence[Sequence[tuple[int, Sequence[int], int]]]
+                              ) -> list[tuple[PrefixState, torch.Tensor]]:
+    """Prefixes and their suffixes (each (_, suffix, keep)) in one packed call, each prefix followed by its suffixes:
+    per prefix its states and its suffixes' kept hidden states, [sum keep, H].
+
+    A prefix attends to itself causally, as alone; each suffix to its prefix and to itself up to each token, at the
+    positions it has in a plain pass of prefix + suffix: the mask says so, and PAST_SPANS points each suffix's
+    queries at its prefix's keys in the row (models/packed.py).
+    """
+    device = model.device
+    lengths, spans, positions = [], [], []  # per segment of the row: tokens, the row keys it reads, first position
+    tokens: list[int] = []
+    for prefix, rows in zip(prefixes, suffixes):
+        start = len(tokens)
+        lengths.append(len(prefix))
+        spans.append((0, 0))
+        positions.append(0)
+        tokens += prefix
+        for _, suffix, _ in rows:
+            lengths.append(len(suffix))
+            spans.append((start, start + len(prefix)))
+            positions.append(len(prefix))
+            tokens += suffix
+    total = len(tokens)
+    segment_lengths = torch.tensor(lengths)
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), segment_lengths)  # [T]: each token's segment
+    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(segment_lengths, 0) - segment_lengths,
+                                                            segment_lengths)  # [T]: its place in its segment
+    span = torch.tensor(spans, dtype=torch.long)  # [n, 2]
+    columns = torch.arange(total)[None]  # [1, T]
+    own_past = (owner[:, None] == owner[None, :]) & (offsets[None, :] <= offsets[:, None])  # [T, T]
+    own_prefix = (columns >= span[owner, :1]) & (columns < span[owner, 1:])  # [T, T]
+    cache = DynamicCache(config=model.config)
+    hidden = model.base_model(
+        input_ids=torch.tensor(tokens, dtype=torch.long)[None].to(device),
+        attention_mask=(own_past | own_prefix)[None, None].to(device),  # [1, 1, T, T]
+        position_ids=(offsets + torch.tensor(positions)[owner])[None].to(device), use_cache=True,
+        cu_seq_lens_q=torch.cumsum(torch.tensor([0, *lengths]), 0), **{PAST_SPANS: span},
+        **{_cache_kwarg(model): cache},
+    ).last_hidden_state[0]  # [T, H]
+    bounds = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()  # segment i is bounds[i]:bounds[i + 1]
+    out = []
+    segment = 0  # the prefix's segment; its suffixes' follow it
+    for prefix, rows in zip(prefixes, suffixes):
+        end = bounds[segment + 1]
+        state = _kept_prefix(prefix, cache, 0, bounds[segment], end, hidden[end - 1])
+        suffix_states = [hidden[bounds[segment + 1 + j] : bounds[segment + 2 + j]] for j in range(len(rows))]
+        kept = _kept_states([SuffixRow(state, tuple(s), k) for _, s, k in rows], suffix_states) if rows else hidden[:0]
+        out.append((state, kept))
+        segment += 1 + len(rows)
+    return out
+
+
 def _kept_prefix(tokens: Sequence[int], cache: DynamicCache, row: int, start: int, end: int,
                  last_hidden: torch.Tensor) -> PrefixState:
     """One prefix's states, copied out of a prefill's cache: its row, columns [start, end) of every layer."""

@@ -22,6 +22,7 @@ from models.prefix import (
     can_pack_suffixes,
     forward_suffixes,
     prefill_prefixes,
+    prefill_with_suffixes,
     supports_prefix_reuse,
     use_packed_suffixes,
 )
@@ -313,11 +314,17 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance, forward_error))
 
     if supports_prefix_reuse(model):
-        def prefix_error() -> float:
-            distinct = [probe.long_prefix, probe.short_prefix]  # prefilled together, left-padded to each other
+        distinct = [probe.long_prefix, probe.short_prefix]  # prefilled together (packed, or left-padded)
+
+        def prefix_error() -> float:  # the prefixes prefilled first, their suffixes then over the states
             states = dict(zip(map(tuple, distinct), prefill_prefixes(model, distinct, pad_token_id)))
             rows = [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
             return _error(head_logits(model, forward_suffixes(model, rows, pad_token_id)), reference, model.dtype)
+
+        def packed_suffixes_error() -> float:  # and the prefixes run in the same call as their suffixes
+            rows = [(distinct.index(p), s, k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
+            _, hidden = prefill_with_suffixes(model, distinct, rows, pad_token_id)
+            return max(prefix_error(), _error(head_logits(model, hidden), reference, model.dtype))
 
         checks.append(_check("shared_prefix", tolerance, prefix_error))
         if not checks[-1].enabled:
@@ -328,7 +335,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
             checks.append(PathCheck("packed_suffixes", False, None, NO_BOOLEAN_MASK))
         else:
             use_packed_suffixes(model)
-            checks.append(_check("packed_suffixes", tolerance, prefix_error))
+            checks.append(_check("packed_suffixes", tolerance, packed_suffixes_error))
             if not checks[-1].enabled:
                 use_packed_suffixes(model, False)
     else:

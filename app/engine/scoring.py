@@ -14,7 +14,7 @@ from app.engine.results import ScoreOutcome
 from app.engine.work import ScoreWork
 from models import LoadedModel, forward_logits
 from models.head import head_logits
-from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill_prefixes
+from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill_with_suffixes
 from sampler import SamplingParams
 
 
@@ -61,20 +61,22 @@ class Scorer:
     def run_batch(self, works: list[ScoreWork]) -> list[ScoreOutcome]:
         """Every unit's sequences in as few passes as memory allows; shared prefixes run once (or come from the cache)."""
         reused = [0] * len(works)
-        states = self._prefix_states(works, reused)
+        states, missing = self._prefix_states(works, reused)
         rows: list[_Row] = []
         for i, work in enumerate(works):
-            split = work.shared_prefix_len if states else 0
+            split = work.shared_prefix_len if self.share_prefixes else 0
             if work.candidates:
                 # the candidate's last token is only predicted, never fed
                 rows += [_Row(i, work.token_ids + list(c[:-1]), split, len(c), c) for c in work.candidates]
             else:
                 rows.append(_Row(i, work.token_ids, split, 1, ()))
 
+        prefilled = self._prefill(missing, rows, states)
         label_logits: dict[int, torch.Tensor] = {}  # work -> [V]
         candidate_values: dict[int, list[list[float]]] = {i: [] for i, w in enumerate(works) if w.candidates}
-        for chunk in self._chunks(rows):
-            logits = self._kept_logits(chunk, states)  # [sum of keep, V], row after row
+        for chunk in self._chunks(list(enumerate(rows))):
+            logits = self._kept_logits(chunk, states, prefilled)  # [sum of keep, V], row after row
+            chunk = [row for _, row in chunk]
             positions, params, targets = [], [], []  # the candidate positions of this chunk
             offset = 0
             for row in chunk:
@@ -105,10 +107,11 @@ class Scorer:
             labels = dict(zip(order, scored))
         return [ScoreOutcome(labels.get(i), candidate_values.get(i), reused[i]) for i in range(len(works))]
 
-    def _prefix_states(self, works: list[ScoreWork], reused: list[int]) -> dict[tuple[int, ...], PrefixState]:
-        """Key/value states of every shared prefix in the batch: from the cache, else one prefill for all missing."""
+    def _prefix_states(self, works: list[ScoreWork], reused: list[int]
+                       ) -> tuple[dict[tuple[int, ...], PrefixState], list[tuple[int, ...]]]:
+        """The batch's shared prefixes: the states of those in the cache, and those missing (each counted once)."""
         if not self.share_prefixes:
-            return {}
+            return {}, []
         states: dict[tuple[int, ...], PrefixState] = {}
         missing: list[tuple[int, ...]] = []
         for i, work in enumerate(works):
@@ -124,35 +127,50 @@ class Scorer:
             else:
                 states[key] = state
                 reused[i] = len(key)
-        if missing:
-            for state in prefill_prefixes(self.loaded.model, missing, self.loaded.pad_token_id):
-                states[state.tokens] = state
-                self.prefix_cache.put(state)
-        return states
+        return states, missing
+
+    def _prefill(self, missing: list[tuple[int, ...]], rows: list[_Row], states: dict[tuple[int, ...], PrefixState]
+                 ) -> dict[int, torch.Tensor]:
+        """Compute the missing prefixes (into `states` and the cache) together with the rows hanging off them, in the
+        same model calls where the model allows: those rows' kept hidden states, by row index, each [keep, H]."""
+        if not missing:
+            return {}
+        index = {key: p for p, key in enumerate(missing)}
+        pending = [r for r, row in enumerate(rows) if row.split and tuple(row.tokens[: row.split]) in index]
+        suffixes = [(index[tuple(rows[r].tokens[: rows[r].split])], rows[r].tokens[rows[r].split :], rows[r].keep)
+                    for r in pending]
+        computed, hidden = prefill_with_suffixes(self.loaded.model, missing, suffixes, self.loaded.pad_token_id)
+        for state in computed:
+            states[state.tokens] = state
+            self.prefix_cache.put(state)
+        return dict(zip(pending, hidden.split([rows[r].keep for r in pending])))
 
     @staticmethod
-    def _chunks(rows: list[_Row]):
-        """Consecutive rows whose kept positions fit one lm_head projection (a label row keeps one)."""
-        chunk: list[_Row] = []
+    def _chunks(rows: list[tuple[int, _Row]]):
+        """Consecutive (index, row) pairs whose kept positions fit one lm_head projection (a label row keeps one)."""
+        chunk: list[tuple[int, _Row]] = []
         kept = 0
-        for row in rows:
-            if chunk and kept + row.keep > LOGIT_ROWS_PER_CHUNK:
+        for indexed in rows:
+            if chunk and kept + indexed[1].keep > LOGIT_ROWS_PER_CHUNK:
                 yield chunk
                 chunk, kept = [], 0
-            chunk.append(row)
-            kept += row.keep
+            chunk.append(indexed)
+            kept += indexed[1].keep
         if chunk:
             yield chunk
 
-    def _kept_logits(self, rows: list[_Row], states: dict[tuple[int, ...], PrefixState]) -> torch.Tensor:
+    def _kept_logits(self, chunk: list[tuple[int, _Row]], states: dict[tuple[int, ...], PrefixState],
+                     prefilled: dict[int, torch.Tensor]) -> torch.Tensor:
         """float32 logits of each row's kept positions, row after row: [sum of keep, V].
 
-        Rows without a shared prefix take the plain padded pass; the others run over their prefix's states.
+        Rows without a shared prefix take the plain packed pass; rows run with their prefix's prefill bring their
+        hidden states (`prefilled`, by row index); the others run over their prefix's states.
         """
         model, pad = self.loaded.model, self.loaded.pad_token_id
-        parts: list[torch.Tensor | None] = [None] * len(rows)
-        plain = [i for i, r in enumerate(rows) if r.split == 0]
-        shared = [i for i, r in enumerate(rows) if r.split > 0]
+        rows = [row for _, row in chunk]
+        parts: list[torch.Tensor | None] = [prefilled.get(r) for r, _ in chunk]  # [keep, H] each, once filled
+        plain = [i for i, row in enumerate(rows) if row.split == 0]
+        shared = [i for i, row in enumerate(rows) if row.split > 0 and parts[i] is None]
         if plain:
             keep = [rows[i].keep for i in plain]
             logits = forward_logits(model, [rows[i].tokens for i in plain], pad, keep_last=keep)
@@ -162,7 +180,11 @@ class Scorer:
             keep = [rows[i].keep for i in shared]
             suffix_rows = [SuffixRow(states[tuple(rows[i].tokens[: rows[i].split])], tuple(rows[i].tokens[rows[i].split :]),
                                      rows[i].keep) for i in shared]
-            logits = head_logits(model, forward_suffixes(model, suffix_rows, pad))
-            for i, block in zip(shared, logits.split(keep)):
+            for i, block in zip(shared, forward_suffixes(model, suffix_rows, pad).split(keep)):
+                parts[i] = block
+        hidden = [i for i, row in enumerate(rows) if row.split > 0]  # rows whose parts are hidden states, not logits
+        if hidden:
+            logits = head_logits(model, torch.cat([parts[i] for i in hidden])).split([rows[i].keep for i in hidden])
+            for i, block in zip(hidden, logits):
                 parts[i] = block
         return torch.cat(parts)

@@ -179,3 +179,28 @@ def test_a_small_prefix_cache_evicts_and_still_gives_the_plain_numbers(tiny_load
             ids = query + item
             expected = mode_values(position_logits(plain_tiny, ids)[-1], "raw_logprobs", {})
             assert entry["label_logprobs"] == pytest.approx(as_json(expected[LABELS]), abs=TOL)
+
+
+def test_a_new_query_runs_in_the_same_model_call_as_its_items(tiny_loaded, plain_tiny):
+    """A query not in the prefix cache is computed in the very call that runs its items (one call, not a prefill
+    and then the items), and still lands in the cache: the next request reuses it."""
+    calls = []
+    hook = tiny_loaded.model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    body = {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS}
+    try:
+        with TestClient(create_app(tiny_settings(max_batch_size=8), loaded=tiny_loaded)) as client:
+            wait_ready(client)
+            calls.clear()  # warm-up's
+            first = client.post("/score", json=body).json()
+            assert len(calls) == 1, calls
+            second = client.post("/score", json=body).json()
+            assert client.app.state.lifecycle.engine.prefix_cache.stats.hits == 1
+    finally:
+        hook.remove()
+    q = len(tokens(tiny_loaded, QUERY))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == q * len(ITEMS)
+    for out in (first, second):
+        for item, data in zip(ITEMS, out["data"]):
+            expected = position_logits(plain_tiny, tokens(tiny_loaded, QUERY) + tokens(tiny_loaded, item, False))[-1]
+            assert data["label_logprobs"] == pytest.approx(expected.log_softmax(-1)[LABELS].tolist(), abs=TOL)

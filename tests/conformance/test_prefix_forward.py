@@ -12,7 +12,14 @@ import models.packed
 import models.prefix
 from models import load_model
 from models.head import head_logits
-from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, supports_prefix_reuse, use_packed_suffixes
+from models.prefix import (
+    SuffixRow,
+    forward_suffixes,
+    prefill_prefixes,
+    prefill_with_suffixes,
+    supports_prefix_reuse,
+    use_packed_suffixes,
+)
 from tests.reference import position_logits
 
 
@@ -114,3 +121,38 @@ def test_several_prefixes_prefill_in_one_call_and_their_suffixes_share_one(loade
         assert state.tokens == tuple(prefix) and state.keys[0].shape[-2] == len(prefix)
     expected = torch.cat([position_logits(plain, prefixes[p] + suffix)[-keep:] for p, suffix, keep in cases])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def _model_calls(model, calls: list):
+    """Record the [B, T] of every call of the model's body into `calls`; returns the hook to remove."""
+    return model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+
+
+@pytest.mark.parametrize("pack_tokens", [1024, 12])
+def test_prefixes_prefilled_with_their_suffixes_equal_full_passes(loaded, plain, layout, monkeypatch, pack_tokens):
+    """prefill_with_suffixes: packed, each prefix runs in the same call as the suffixes that fit after it (all in
+    one call here; with 12 tokens a call, some suffixes run over the prefix's states after); one padded row per
+    suffix, the prefixes are prefilled first. The prefixes' states and every kept position are the plain pass's."""
+    monkeypatch.setattr(models.forward, "PACK_TOKENS", pack_tokens)
+    generator = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 8, 3)]
+    rows = [(1, [7, 8, 9], 2), (0, [11], 2), (2, [], 1), (1, [12, 13, 14, 15], 5), (0, [5, 6], 1), (2, [44, 45], 3)]
+    calls = []
+    hook = _model_calls(loaded.model, calls)
+    try:
+        states, hidden = prefill_with_suffixes(loaded.model, prefixes, rows, loaded.pad_token_id)
+    finally:
+        hook.remove()
+    if layout == "packed" and pack_tokens == 1024:
+        assert calls == [(1, 28)]
+    elif layout == "packed":
+        assert calls == [(1, 8), (1, 11), (1, 5), (1, 4)]  # each prefix with the suffixes that fit; one later
+    got = head_logits(loaded.model, hidden)
+    expected = torch.cat([position_logits(plain, prefixes[p] + suffix)[-keep:] for p, suffix, keep in rows])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    alone = prefill_prefixes(loaded.model, prefixes, loaded.pad_token_id)
+    for state, prefix, reference in zip(states, prefixes, alone):
+        assert state.tokens == tuple(prefix)
+        torch.testing.assert_close(state.keys[-1], reference.keys[-1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(state.last_hidden, reference.last_hidden, atol=1e-5, rtol=0)

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import models.head
 import models.packed
+import models.prefix
 import models.prepack
 from models import forward_logits, load_model
 from models.tiny import WINDOW, make_tiny_model
@@ -78,3 +79,18 @@ def test_a_head_that_disagrees_fails_the_load(mistral, monkeypatch):
                         lambda self, *a, inputs_embeds, **k: real(self, inputs_embeds=inputs_embeds * 1.01))
     with pytest.raises(RuntimeError, match="cannot read this model's logits"):
         load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
+
+
+def test_a_prefix_and_suffixes_call_that_misplaces_its_rows_switches_packed_suffixes_off(tiny_model_dirs, monkeypatch):
+    """The call that runs prefixes together with their suffixes is part of the packed_suffixes check: one that hands
+    back its kept positions in the wrong order is caught at load, and packed suffixes go off."""
+    real = models.prefix._prefix_and_suffixes_pass
+
+    def misordered(model, prefixes, suffixes):
+        return [(state, hidden.flip(0)) for state, hidden in real(model, prefixes, suffixes)]
+
+    monkeypatch.setattr(models.prefix, "_prefix_and_suffixes_pass", misordered)
+    loaded = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", cache_dir=None)
+    paths = paths_of(loaded)
+    assert paths["shared_prefix"].enabled
+    assert not paths["packed_suffixes"].enabled and paths["packed_suffixes"].difference > 1e-2
