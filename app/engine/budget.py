@@ -103,5 +103,8 @@ def resident_bytes() -> int:
 
 def scoring_batch_bytes(memory: MemoryModel, tokens: int) -> int:
     """Worst case of a scoring batch of `tokens` padded tokens: one sequence (the widest attention mask), logits of
-    up to one chunk of kept positions."""
-    return memory.forward_bytes(1, tokens, min(tokens, LOGIT_ROWS_PER_CHUNK))
+    up to one chunk of kept positions, and the key/value states of one call that computes shared queries (a query
+    runs with its items, models/prefix.py: the call's states live until the query's are copied out of them)."""
+    call = min(tokens, memory.pack_tokens) if memory.pack_tokens else tokens
+    states = 2 * call * memory.kv_bytes_per_token  # the call's states and the copy taken of them
+    return memory.forward_bytes(1, tokens, min(tokens, LOGIT_ROWS_PER_CHUNK)) + states
