@@ -104,6 +104,32 @@ def supports_prefix_reuse(model: PreTrainedModel) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+class _Segments:
+    """Segments laid back to back in a packed row, and the keys each one reads besides its own."""
+
+    def __init__(self, lengths: Sequence[int], spans: Sequence[tuple[int, int]], first_positions: Sequence[int]):
+        self.lengths = list(lengths)
+        self.spans = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)  # [n, 2]: [start, end) of the keys it reads
+        sizes = torch.tensor(self.lengths, dtype=torch.long)
+        self.owner = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # [T]: each token's segment
+        starts = torch.cumsum(sizes, 0) - sizes
+        self.offsets = torch.arange(len(self.owner)) - torch.repeat_interleave(starts, sizes)  # [T]: place in segment
+        self.positions = self.offsets + torch.tensor(first_positions, dtype=torch.long)[self.owner]  # [T]
+
+    def mask(self, past: int) -> torch.Tensor:
+        """What each token sees, [T, past + T]: the keys of its segment's span, and its own segment up to itself
+        (the row's tokens come after `past` key columns of states)."""
+        total = len(self.owner)
+        columns = torch.arange(past + total)[None]  # [1, past + T]
+        sees = (columns >= self.spans[self.owner, :1]) & (columns < self.spans[self.owner, 1:])  # [T, past + T]
+        sees[:, past:] |= (self.owner[:, None] == self.owner[None, :]) & (self.offsets[None, :] <= self.offsets[:, None])
+        return sees
+
+    @property
+    def boundaries(self) -> torch.Tensor:
+        return torch.cumsum(torch.tensor([0, *self.lengths]), 0)  # [n + 1]
+
+
 @torch.inference_mode()
 def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
     """Run each prefix once and keep its key/value states and last hidden state: packed back to back in one call
@@ -145,8 +171,7 @@ def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[in
         states = prefill_prefixes(model, prefixes, pad_token_id)
         return states, forward_suffixes(model, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], pad_token_id)
     for _, suffix, keep in rows:
-        if not 1 <= keep <= len(suffix) + 1:
-            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {keep} for {len(suffix)} tokens")
+        _check_keep(len(suffix), keep)
     budget = pack_tokens(model)
     along: list[list[int]] = [[] for _ in prefixes]  # per prefix: the rows that run in its call
     later: list[int] = []  # rows that do not fit after their prefix: they run over its states
@@ -183,7 +208,6 @@ def _prefix_and_suffixes_pass(model: PreTrainedModel, prefixes: Sequence[Sequenc
     positions it has in a plain pass of prefix + suffix: the mask says so, and PAST_SPANS points each suffix's
     queries at its prefix's keys in the row (models/packed.py).
     """
-    device = model.device
     lengths, spans, positions = [], [], []  # per segment of the row: tokens, the row keys it reads, first position
     tokens: list[int] = []
     for prefix, rows in zip(prefixes, suffixes):
@@ -197,24 +221,16 @@ def _prefix_and_suffixes_pass(model: PreTrainedModel, prefixes: Sequence[Sequenc
             spans.append((start, start + len(prefix)))
             positions.append(len(prefix))
             tokens += suffix
-    total = len(tokens)
-    segment_lengths = torch.tensor(lengths)
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), segment_lengths)  # [T]: each token's segment
-    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(segment_lengths, 0) - segment_lengths,
-                                                            segment_lengths)  # [T]: its place in its segment
-    span = torch.tensor(spans, dtype=torch.long)  # [n, 2]
-    columns = torch.arange(total)[None]  # [1, T]
-    own_past = (owner[:, None] == owner[None, :]) & (offsets[None, :] <= offsets[:, None])  # [T, T]
-    own_prefix = (columns >= span[owner, :1]) & (columns < span[owner, 1:])  # [T, T]
+    segments = _Segments(lengths, spans, positions)
+    device = model.device
     cache = DynamicCache(config=model.config)
     hidden = model.base_model(
         input_ids=torch.tensor(tokens, dtype=torch.long)[None].to(device),
-        attention_mask=(own_past | own_prefix)[None, None].to(device),  # [1, 1, T, T]
-        position_ids=(offsets + torch.tensor(positions)[owner])[None].to(device), use_cache=True,
-        cu_seq_lens_q=torch.cumsum(torch.tensor([0, *lengths]), 0), **{PAST_SPANS: span},
+        attention_mask=segments.mask(0)[None, None].to(device), position_ids=segments.positions[None].to(device),
+        use_cache=True, cu_seq_lens_q=segments.boundaries, **{PAST_SPANS: segments.spans},
         **{_cache_kwarg(model): cache},
     ).last_hidden_state[0]  # [T, H]
-    bounds = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()  # segment i is bounds[i]:bounds[i + 1]
+    bounds = segments.boundaries.tolist()  # segment i is bounds[i]:bounds[i + 1]
     out = []
     segment = 0  # the prefix's segment; its suffixes' follow it
     for prefix, rows in zip(prefixes, suffixes):
@@ -260,6 +276,11 @@ def use_packed_suffixes(model: PreTrainedModel, on: bool = True) -> None:
         _PACKED_SUFFIXES.discard(model)
 
 
+def _check_keep(suffix_length: int, keep: int) -> None:
+    if not 1 <= keep <= suffix_length + 1:
+        raise ValueError(f"keep must be in [1, len(suffix) + 1], got {keep} for {suffix_length} tokens")
+
+
 @torch.inference_mode()
 def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int) -> torch.Tensor:
     """Hidden states of the kept positions of every row, stacked row after row, oldest first: [N, H].
@@ -272,8 +293,7 @@ def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_toke
     SUFFIX_BUCKET_TOKENS, and each group runs at exactly that width: no row's layout depends on another's.
     """
     for row in rows:
-        if not 1 <= row.keep <= len(row.suffix) + 1:
-            raise ValueError(f"keep must be in [1, len(suffix) + 1], got {row.keep} for {len(row.suffix)} tokens")
+        _check_keep(len(row.suffix), row.keep)
     if not is_batch_invariant(model):
         if model in _PACKED_SUFFIXES:
             return _packed_suffixes(model, rows)
@@ -384,31 +404,23 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
     total = sum(lengths)
     hidden = None
     if total:
-        spans = torch.tensor([[starts[id(row.prefix)], starts[id(row.prefix)] + row.prefix.length] for row in rows],
-                             dtype=torch.long)  # [n, 2]: the past keys each suffix reads
+        segments = _Segments(lengths, [(starts[id(row.prefix)], starts[id(row.prefix)] + row.prefix.length)
+                                       for row in rows], [row.prefix.length for row in rows])
         input_ids = torch.tensor([token for row in rows for token in row.suffix], dtype=torch.long)[None]  # [1, T]
-        offsets = torch.cat([torch.arange(n) for n in lengths])  # [T]: each token's place in its suffix
-        owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # [T]: its suffix
-        own_past = (owner[:, None] == owner[None, :]) & (offsets[None, :] <= offsets[:, None])  # [T, T]
-        columns = torch.arange(past)[None]  # [1, past]
-        own_prefix = (columns >= spans[owner, :1]) & (columns < spans[owner, 1:])  # [T, past]
-        mask = torch.cat([own_prefix, own_past], dim=1)  # [T, past + T]
-        positions = offsets + torch.tensor([row.prefix.length for row in rows])[owner]  # [T]
         cache = DynamicCache(config=model.config)
         cache.layers = [
             _PrefixLayer(_concat_prefixes(prefixes, i, lambda s: s.keys),
                          _concat_prefixes(prefixes, i, lambda s: s.values), None)
             for i in range(len(prefixes[0].keys))
         ]
-        segments = {}
+        packing = {}
         if supports_packing(model):
             # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
-            segments["cu_seq_lens_q"] = torch.cumsum(torch.tensor([0, *lengths]), 0)  # [n + 1]
-            segments[PAST_SPANS] = spans
+            packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans}
         hidden = model.base_model(
-            input_ids=input_ids.to(device), attention_mask=mask[None, None].to(device),  # [1, 1, T, past + T]
-            position_ids=positions[None].to(device), use_cache=True,
-            **{_cache_kwarg(model): cache}, **segments,
+            input_ids=input_ids.to(device), attention_mask=segments.mask(past)[None, None].to(device),  # [1, 1, T, past + T]
+            position_ids=segments.positions[None].to(device), use_cache=True,
+            **{_cache_kwarg(model): cache}, **packing,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
 
