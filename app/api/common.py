@@ -45,16 +45,19 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def ready_engine(request: Request) -> Engine:
+async def ready_engine(request: Request) -> Engine:
     """The engine, or 503 while the model loads or warms up. While draining after SIGTERM the engine still
-    serves: uvicorn has stopped accepting connections, so every request that gets here was received before."""
+    serves: uvicorn has stopped accepting connections, so every request that gets here was received before.
+
+    The dependencies here are coroutines so that FastAPI runs them on the event loop: a plain function would be
+    sent to its thread pool and back on every request."""
     state = request.app.state.lifecycle
     if not state.warmed or state.engine is None or state.failure() is not None:
         raise ServiceUnavailableError(state.not_ready_reason())
     return state.engine
 
 
-def loaded_engine(request: Request) -> Engine:
+async def loaded_engine(request: Request) -> Engine:
     """The engine for routes that need only the model's tokenizer and facts, not its loop: 503 until it is warmed
     up, and then served even if the engine's loop has died."""
     state = request.app.state.lifecycle

@@ -68,3 +68,23 @@ def test_the_model_loads_on_the_thread_that_serves_it(tiny_model_dirs, monkeypat
         assert response.status_code == 200, response.text
     assert len(load_threads) == 1
     assert serve_threads == set(load_threads)
+
+
+def test_requests_reach_the_engine_without_a_worker_thread_hop(client, monkeypatch):
+    """The routes' dependencies run on the event loop: no request is handed to a thread pool on its way to the
+    engine (each hop costs CPU that the forward's threads share on a small machine)."""
+    import anyio.to_thread
+
+    hops = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(func, *args, **kwargs):
+        hops.append(getattr(func, "__name__", repr(func)))
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    assert client.post("/score", json={"query": "The quick brown fox", "label_token_ids": [5, 6]}).status_code == 200
+    body = {"model": "tiny-llama", "prompt": "Paris is", "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/tokenize", json={"prompt": "Paris is"}).status_code == 200
+    assert hops == []

@@ -16,9 +16,9 @@ ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 STREAM = {"content": {"text/event-stream": {}}, "description": "With `stream: true`: `data: {chunk}` events."}
 
 
-def ready_openai(request: Request) -> OpenAIServing:
+async def ready_openai(request: Request) -> OpenAIServing:
     """The serving logic over the ready engine, or 503; built once per engine."""
-    return openai_serving(request, ready_engine(request))
+    return openai_serving(request, await ready_engine(request))
 
 
 def openai_serving(request: Request, engine: Engine) -> OpenAIServing:

@@ -25,10 +25,10 @@ router = APIRouter()
 _LOCAL_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")
 
 
-def tokenizer_serving(request: Request) -> OpenAIServing:
+async def tokenizer_serving(request: Request) -> OpenAIServing:
     """The OpenAI serving logic (chat rendering, the tokenizer) once the model is loaded; the engine's loop need
     not be alive, since these routes never reach the device."""
-    return openai_serving(request, loaded_engine(request))
+    return openai_serving(request, await loaded_engine(request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS, response_class=FastJSONResponse)
