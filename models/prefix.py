@@ -165,7 +165,9 @@ def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[in
     of each (prefix index, suffix, keep) row, row after row, [sum keep, H], as forward_suffixes over those states.
 
     Where suffixes run packed (use_packed_suffixes), a prefix and the suffixes that fit after it in pack_tokens(model)
-    run in the same call (_prefix_and_suffixes_pass), one model call instead of two; the rest run over its states.
+    run in the same call (_prefix_and_suffixes_pass), one model call instead of two; the rest run over its states. A
+    prefix after which none fits (a query longer than a call) is prefilled alone, without the mask a shared call
+    needs.
     """
     if model not in _PACKED_SUFFIXES or is_batch_invariant(model) or not supports_packing(model):
         states = prefill_prefixes(model, prefixes, pad_token_id)
@@ -184,7 +186,13 @@ def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[in
             later.append(i)
     states: list[PrefixState | None] = [None] * len(prefixes)
     blocks: list[torch.Tensor | None] = [None] * len(rows)
-    for call in plan_packs(sizes, budget):
+    bare = [p for p in range(len(prefixes)) if not along[p]]  # no suffix fits after it: a plain prefill, no mask
+    if bare:
+        for p, state in zip(bare, prefill_prefixes(model, [prefixes[p] for p in bare], pad_token_id)):
+            states[p] = state
+    dressed = [p for p in range(len(prefixes)) if along[p]]
+    for call in plan_packs([sizes[p] for p in dressed], budget):
+        call = [dressed[c] for c in call]
         called = _prefix_and_suffixes_pass(model, [prefixes[p] for p in call], [[rows[i] for i in along[p]] for p in call])
         for p, (state, hidden) in zip(call, called):
             states[p] = state

@@ -182,9 +182,9 @@ class Scorer:
                                      rows[i].keep) for i in shared]
             for i, block in zip(shared, forward_suffixes(model, suffix_rows, pad).split(keep)):
                 parts[i] = block
-        hidden = [i for i, row in enumerate(rows) if row.split > 0]  # rows whose parts are hidden states, not logits
-        if hidden:
-            logits = head_logits(model, torch.cat([parts[i] for i in hidden])).split([rows[i].keep for i in hidden])
-            for i, block in zip(hidden, logits):
+        over_prefix = [i for i, row in enumerate(rows) if row.split > 0]  # their parts are hidden states, not logits
+        if over_prefix:
+            logits = head_logits(model, torch.cat([parts[i] for i in over_prefix]))
+            for i, block in zip(over_prefix, logits.split([rows[i].keep for i in over_prefix])):
                 parts[i] = block
         return torch.cat(parts)

@@ -156,3 +156,25 @@ def test_prefixes_prefilled_with_their_suffixes_equal_full_passes(loaded, plain,
         assert state.tokens == tuple(prefix)
         torch.testing.assert_close(state.keys[-1], reference.keys[-1], atol=1e-5, rtol=0)
         torch.testing.assert_close(state.last_hidden, reference.last_hidden, atol=1e-5, rtol=0)
+
+
+def test_a_prefix_longer_than_a_call_is_prefilled_alone(loaded, plain, monkeypatch):
+    """A prefix after which no suffix fits in a call is prefilled on its own (no mask over the row); its suffixes
+    and the ones that did not fit after theirs run over the states after: still the plain pass's logits."""
+    assert loaded.fast_paths.enabled("packed_suffixes"), loaded.fast_paths.as_dict()
+    monkeypatch.setattr(models.forward, "PACK_TOKENS", 6)  # float32: 6 tokens a call
+    generator = torch.Generator().manual_seed(5)
+    prefixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (9, 4)]
+    rows = [(0, [7, 8], 2), (1, [9, 10], 3), (1, [11], 1)]
+    calls = []  # (tokens, dimensions of the attention mask) of each model call
+    hook = loaded.model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((kwargs["input_ids"].shape[1], kwargs["attention_mask"].dim())),
+        with_kwargs=True)
+    try:
+        _, hidden = prefill_with_suffixes(loaded.model, prefixes, rows, loaded.pad_token_id)
+    finally:
+        hook.remove()
+    # the long prefix alone (a plain 2D mask of ones); the short one with a suffix; the rest over the states
+    assert calls == [(9, 2), (6, 4), (3, 4)]
+    expected = torch.cat([position_logits(plain, prefixes[p] + suffix)[-keep:] for p, suffix, keep in rows])
+    torch.testing.assert_close(head_logits(loaded.model, hidden), expected, atol=1e-4, rtol=0)
