@@ -58,7 +58,7 @@ class _QueueCollector(Collector):
 
 
 class _PrefixCacheCollector(Collector):
-    """The shared-prefix cache's counters (models/prefix.py PrefixCacheStats), read at scrape time."""
+    """The shared-prefix cache's counters (models/prefix_cache.py PrefixCacheStats), read at scrape time."""
 
     def __init__(self, read: Callable[[], object | None]):
         self._read = read

@@ -14,7 +14,8 @@ from app.engine.results import ScoreOutcome
 from app.engine.work import ScoreWork
 from models import LoadedModel, forward_logits
 from models.head import head_logits
-from models.prefix import PrefixCache, PrefixState, SuffixRow, forward_suffixes, prefill_with_suffixes
+from models.prefix import PrefixState, SuffixRow, forward_suffixes, prefill_with_suffixes
+from models.prefix_cache import PrefixCache
 from sampler import SamplingParams
 
 

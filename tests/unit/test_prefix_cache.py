@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from app.engine.scoring import common_prefix_len
-from models.prefix import PrefixCache, PrefixState
+from models.prefix import PrefixState
+from models.prefix_cache import PrefixCache
 
 
 def state(tokens: tuple[int, ...], layers: int = 2) -> PrefixState:
