@@ -104,8 +104,7 @@ def test_several_prefixes_prefill_in_one_call_and_their_suffixes_share_one(loade
     hanging off all of them run in one more call, each seeing only its own prefix: still the plain-pass logits."""
     assert loaded.fast_paths.enabled("packed_suffixes"), loaded.fast_paths.as_dict()
     calls = []  # the [B, T] of each model call
-    hook = loaded.model.base_model.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    hook = _model_calls(loaded.model, calls)
     generator = torch.Generator().manual_seed(3)
     prefixes = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (4, 9, 6)]
     try:
