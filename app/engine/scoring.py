@@ -137,9 +137,13 @@ class Scorer:
         if not missing:
             return {}
         index = {key: p for p, key in enumerate(missing)}
-        pending = [r for r, row in enumerate(rows) if row.split and tuple(row.tokens[: row.split]) in index]
-        suffixes = [(index[tuple(rows[r].tokens[: rows[r].split])], rows[r].tokens[rows[r].split :], rows[r].keep)
-                    for r in pending]
+        pending: list[int] = []  # the rows hanging off a missing prefix
+        suffixes: list[tuple[int, list[int], int]] = []  # theirs: (prefix index, suffix, keep)
+        for r, row in enumerate(rows):
+            p = index.get(tuple(row.tokens[: row.split])) if row.split else None
+            if p is not None:
+                pending.append(r)
+                suffixes.append((p, row.tokens[row.split :], row.keep))
         computed, hidden = prefill_with_suffixes(self.loaded.model, missing, suffixes, self.loaded.pad_token_id)
         for state in computed:
             states[state.tokens] = state
