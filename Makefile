@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python -m pytest $(ARGS)
 
 # The CPU container image with podman, from a fresh machine (root: installs podman and debootstrap,
-# builds the Debian base); IMAGE=... names it. See deploy/README.md, "Build with podman".
+# builds the Debian base); IMAGE=... names it. See docs/users/deployment.md, "Build with podman".
 image:
 	sh scripts/build_image.sh
 
@@ -38,7 +38,7 @@ image:
 test-image: install
 	$(BIN)/python -m pytest -m image -rP tests/ops/test_image.py $(ARGS)
 
-# The side-by-side benchmark (README, "Performance"); BENCH_ARGS="--scoring-requests 32" etc.
+# The side-by-side benchmark (docs/contributors/benchmarking.md), written to docs/benchmark/; BENCH_ARGS="--scoring-requests 32" etc.
 # It includes llama-server and vLLM CPU when `make bench-peers` has installed them.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=

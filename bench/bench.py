@@ -1,8 +1,8 @@
 """The side-by-side benchmark: naive transformers loop, llama-server, vLLM CPU, genscore over HTTP (float32, bfloat16) and in-process.
 
 One command (`make bench`, or `python -m bench.bench`) drives the same deterministic workloads
-through every system at each concurrency and writes docs/benchmark.md, docs/benchmark.json and
-docs/benchmark.png. Not part of the test suite.
+through every system at each concurrency and writes docs/benchmark/benchmark.md, benchmark.json and
+benchmark.png. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed passes per cell; the fastest is reported")
     p.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "bench" / "weights",
                    help="genscore's converted-weights cache for the benchmark")
-    p.add_argument("--out", type=Path, default=REPO / "docs", help="where benchmark.md/.json/.png go")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmark",
+                   help="where benchmark.md/.json/.png go (the docs site shows docs/benchmark/benchmark.md)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
