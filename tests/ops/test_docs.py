@@ -187,3 +187,19 @@ def test_docs_example_runs_and_answers_in_the_shape_shown(docs_server, where, me
     response = httpx.request(method, docs_server + path, json=body, timeout=60)
     assert response.status_code == 200, f"{where}: {response.status_code} {response.text}"
     assert_same_shape(answer, response.json())
+
+
+def test_module_map_names_every_module_and_only_modules_that_exist():
+    """The architecture page's module map (its first code block under "Module map") against the tree."""
+    page = (DOCS / "contributors" / "architecture.md").read_text()
+    section = page[page.index("## Module map"):]
+    block = section[section.index("```"):section.index("```", section.index("```") + 3)]
+    named = set(re.findall(r"\b(\w+\.py)\b", block))
+    modules = {path for package in ("app", "models", "sampler") for path in (ROOT / package).rglob("*.py")
+               if path.name != "__init__.py"}
+    # a module is described when the map names it and every folder it sits in (`score/` for app/api/score/...)
+    missing = sorted(str(path.relative_to(ROOT)) for path in modules if path.name not in named
+                     or any(f"{folder}/" not in block for folder in path.relative_to(ROOT).parts[:-1]))
+    assert not missing, f"modules the map does not describe: {missing}"
+    files = {path.name for path in ROOT.glob("*/**/*.py") if ".venv" not in path.parts}
+    assert named <= files, f"the map names files that do not exist: {sorted(named - files)}"
