@@ -117,7 +117,18 @@ def routes_page() -> str:
     from app.main import create_app
     from app.settings import Settings
 
-    schema = create_app(Settings()).openapi()  # building the schema loads no model (that happens in the lifespan)
+    app = create_app(Settings())
+    schema = app.openapi()  # building the schema loads no model (that happens in the lifespan)
+    # A route without a docstring of its own is described by its router module's one-line docstring.
+    module_docs = {}
+    routes = list(app.routes)
+    while routes:
+        route = routes.pop()
+        if hasattr(route, "original_router"):  # a router included in the app: walk its own routes
+            routes.extend(route.original_router.routes)
+        elif hasattr(route, "endpoint") and getattr(route, "methods", None):
+            for method in route.methods:
+                module_docs[(route.path, method.lower())] = sys.modules[route.endpoint.__module__].__doc__ or ""
     components = schema.get("components", {}).get("schemas", {})
     lines = [
         _HEADER.format(source="the app's OpenAPI schema (`create_app(...).openapi()`)"),
@@ -129,7 +140,7 @@ def routes_page() -> str:
     ]
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
-            what = _first_sentence(op.get("description") or op.get("summary") or "")
+            what = _first_sentence(op.get("description") or module_docs.get((path, method)) or op.get("summary", ""))
             body_schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
             refs = [body_schema["$ref"]] if "$ref" in body_schema else [
                 alt["$ref"] for alt in body_schema.get("anyOf", []) if "$ref" in alt]
