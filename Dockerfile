@@ -2,7 +2,7 @@
 #
 # genscore container image. Two stages (and the empty `pip-host` below): `builder` installs everything into a venv at
 # /opt/venv, `runtime` (the default target) copies that venv onto a clean slim base and
-# runs as an unprivileged user. See deploy/README.md for build and run commands.
+# runs as an unprivileged user. See docs/users/deployment.md for build and run commands.
 #
 #   CPU  (default):  docker build -t genscore:0.1.0 .
 #   CUDA:            docker build -t genscore:0.1.0-cuda \
