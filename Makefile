@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test image test-image bench bench-peers clean
+.PHONY: install serve test test-avx2 image test-image bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest $(ARGS)
+
+# The suite as if on an AVX2-only CPU (no AVX-512, no native bfloat16), on any x86 machine: ATen's and oneDNN's
+# own instruction-set caps, which genscore's CPU checks (models/cpu_features.py) follow.
+test-avx2: install
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(ARGS)
 
 # The CPU container image with podman, from a fresh machine (root: installs podman and debootstrap,
 # builds the Debian base); IMAGE=... names it. See docs/users/deployment.md, "Build with podman".

@@ -168,8 +168,9 @@ def markdown(results: dict, summary: dict) -> str:
         f"{la1[0]:.2f}/{la1[1]:.2f}/{la1[2]:.2f} (anything above the core count means other work shared the CPUs). "
         f"Total run {results['total_s'] / 60:.1f} min. Each cell is the fastest of "
         f"{results['args'].get('repeats', 1)} timed passes, after {results['args'].get('warmup', 0)} untimed requests.",
-        f"- Matmul peak measured in this run (2048³ GEMM, best of start and end): float32 {results['gemm_gflops']['float32']:.0f} GFLOP/s, "
-        f"bfloat16 {results['gemm_gflops']['bfloat16']:.0f} GFLOP/s.",
+        f"- Matmul peak measured in this run (2048³ GEMM, best of start and end): float32 {results['gemm_gflops']['float32']:.0f} GFLOP/s"
+        + (f", bfloat16 {results['gemm_gflops']['bfloat16']:.0f} GFLOP/s." if "bfloat16" in results["gemm_gflops"]
+           else f"; no bfloat16 cells: {results.get('skipped_bfloat16', 'not asked for')}."),
         f"- Model: {results['args']['model']} ({results['model']['total_params'] / 1e6:.0f} M parameters, "
         f"{results['model']['body_params'] / 1e6:.0f} M outside the embeddings). Useful FLOPs per prompt = "
         "2 × non-embedding params × tokens + causal attention + lm_head on the last position.",

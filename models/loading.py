@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.cpu_features import native_bfloat16_missing
 from models.prefix import supports_prefix_reuse
 from models.selfcheck import NOT_PLAIN_ATTENTION, FastPaths, PathCheck, install_fast_paths
 
@@ -171,6 +172,9 @@ def load_model(
     started = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if torch_device.type == "cpu" and torch_dtype == torch.bfloat16 and (missing := native_bfloat16_missing()):
+        log.warning("bfloat16 on this CPU has no native matrix instructions (%s): it runs several times slower than "
+                    "float32, which --dtype auto or float32 serves here", missing)
     source = resolve_source(spec)
     try:
         tokenizer, model = _load_pretrained(source, torch_dtype, cache_dir, optimize)

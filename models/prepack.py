@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from models.cpu_features import bfloat16_packing_missing
+
 log = logging.getLogger("genscore.models")
 
 # The row count oneDNN picks its weight layout for; a packed weight serves any row count. About one packed
@@ -47,30 +49,42 @@ class PrepackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _works(dtype: torch.dtype) -> bool:
-    """Whether this torch build and CPU run the packed kernel, and agree with nn.Linear on a small case."""
+def _kernel_error(dtype: torch.dtype) -> str | None:
+    """Why this torch build's packed kernel fails or disagrees with nn.Linear on a small case (None when it works)."""
     try:
         linear = nn.Linear(64, 48).to(dtype)
         x = torch.randn(5, 64).to(dtype)
         with torch.inference_mode():
-            return torch.allclose(PrepackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2, rtol=1e-2)
+            if torch.allclose(PrepackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2, rtol=1e-2):
+                return None
+        return "the packed kernel disagrees with nn.Linear"
     except (RuntimeError, AttributeError) as exc:  # op missing in this build, or no oneDNN kernel for the CPU
-        log.info("pre-packed linear weights unavailable (%s); using plain nn.Linear", exc)
-        return False
+        return str(exc)
 
 
-def _packable(model: PreTrainedModel) -> bool:
-    """Whether the packed kernel applies to `model`: on CPU, in float32 or bfloat16, and working in this build."""
-    return model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16) and _works(model.dtype)
+def packing_unavailable(model: PreTrainedModel) -> str | None:
+    """Why the packed kernel does not apply to `model` (None when it does): it runs on CPU, in float32 or bfloat16,
+    bfloat16 only where oneDNN packs it natively (models/cpu_features.py), and only where it works in this build."""
+    if model.device.type != "cpu":
+        return f"the model runs on {model.device.type}"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN packs float32 and bfloat16 weights, not {model.dtype}"
+    if model.dtype == torch.bfloat16 and (missing := bfloat16_packing_missing()) is not None:
+        return missing
+    return _kernel_error(model.dtype)
 
 
 def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Linear]]:
     """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns the swaps, for restore_linears.
 
-    CPU, float32 or bfloat16 only. lm_head is not swapped here: its weight is often tied to the input embeddings,
-    which must stay a plain matrix; prepacked_head packs a copy of it.
+    CPU, float32 or bfloat16 only (packing_unavailable; a WARNING says why not). lm_head is not swapped here: its
+    weight is often tied to the input embeddings, which must stay a plain matrix; prepacked_head packs a copy of it.
     """
-    if not _packable(model):
+    reason = packing_unavailable(model)
+    if reason is not None:
+        if model.device.type == "cpu":
+            log.warning("%s linear weights are not pre-packed (%s); the model's linears run as plain nn.Linear",
+                        str(model.dtype).removeprefix("torch."), reason)
         return []
     swaps = []
     for module in model.base_model.modules():
@@ -83,7 +97,7 @@ def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Lin
 
 def prepacked_head(model: PreTrainedModel) -> PrepackedLinear | None:
     """A pre-packed copy of the model's lm_head, for its head view (models/head.py set_head_linear); None when
-    lm_head is not a plain nn.Linear or the packed kernel does not apply (_packable).
+    lm_head is not a plain nn.Linear or the packed kernel does not apply (packing_unavailable).
 
     A copy: a tied lm_head shares its matrix with the input embeddings, which stay plain, so the largest matrix
     is held twice (V x H, 57 MB for SmolLM2-135M in bfloat16). It pays on the small row counts the head runs on:
@@ -91,7 +105,7 @@ def prepacked_head(model: PreTrainedModel) -> PrepackedLinear | None:
     than nn.Linear on the plain matrix (measured on CPU; README "Performance" has the forward-level numbers).
     """
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or not _packable(model):
+    if type(head) is not nn.Linear or packing_unavailable(model) is not None:
         return None
     return PrepackedLinear(head)
 

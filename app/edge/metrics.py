@@ -147,7 +147,8 @@ class Metrics:
             queue_counts,
             ("genscore_requests_waiting",
              "Sequences (one per prompt: the query, or query + item) queued for a forward pass."),
-            ("genscore_requests_running", "Sequences in the forward pass being computed now.")))
+            ("genscore_requests_running", "Sequences of the batch handed to the device thread: being computed, or next "
+             "in line behind the device's current job.")))
         registry.register(_QueueCollector(
             generation_counts,
             ("genscore_generation_waiting", "Prompts waiting for a place in the generation loop's decode batch."),

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -144,7 +144,9 @@ class Engine(ConsumerLoop):
                             await asyncio.wait_for(self._wake.wait(), too_soon)
                         continue
                     self._trim_due = False
-                    await asyncio.get_running_loop().run_in_executor(self.device, release_free_memory)
+                    # Queued, not awaited: the device thread may be busy (a held or long job), and work that arrives
+                    # meanwhile is scheduled at once, to run on the device after the trim.
+                    self.device.submit(release_free_memory).add_done_callback(_log_trim_failure)
                     self._trimmed_at = time.monotonic()
                     continue
                 await self._wake.wait()
@@ -223,6 +225,11 @@ class Engine(ConsumerLoop):
                  ) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
         """Stream one prompt's events from the decode loop (see Generator.generate)."""
         return self.generator.generate(prompt_ids, params)
+
+
+def _log_trim_failure(done: Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("giving freed memory back to the OS failed", exc_info=done.exception())
 
 
 def set_torch_threads(settings: Settings) -> None:

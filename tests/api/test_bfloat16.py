@@ -3,13 +3,20 @@ against the same weights loaded the plain transformers way in bfloat16."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 import torch
 
+import models.loading
+import models.prepack
 from app.main import create_app
 from app.settings import Settings
 from models import load_model
+from models.cpu_features import bfloat16_packing_missing
+from models.forward import forward_logits
+from models.prepack import PrepackedLinear
 from tests.conftest import live_server
 from tests.reference import greedy_reference, plain_model, position_logits
 
@@ -29,12 +36,37 @@ def bf16(tiny_model_dirs):
         yield base_url, loaded, plain
 
 
-def test_the_served_model_is_bfloat16_with_its_serving_kernels(bf16):
+def _linear_kinds(model) -> set[type]:
+    return {type(m) for m in model.base_model.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))}
+
+
+def test_the_served_model_is_bfloat16_with_the_kernels_this_cpu_runs(bf16):
+    """Pre-packed bfloat16 linears where oneDNN packs bfloat16 natively; plain nn.Linear where it cannot."""
     _, loaded, plain = bf16
     assert loaded.dtype == torch.bfloat16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
-    assert any(not type(m).__module__.startswith(("torch.", "transformers.")) for m in loaded.model.modules())
+    missing = bfloat16_packing_missing()
+    assert _linear_kinds(loaded.model) == ({PrepackedLinear} if missing is None else {torch.nn.Linear}), missing
+
+
+def test_bfloat16_linears_stay_plain_with_a_warning_where_the_cpu_cannot_pack_them(tiny_model_dirs, monkeypatch,
+                                                                                   caplog):
+    """The fallback, forced on a CPU that has the kernels: the model loads, its linears stay nn.Linear, WARNINGs
+    say why (and that bfloat16 is slow here), and its scores are the plain bfloat16 model's."""
+    monkeypatch.setattr(models.prepack, "bfloat16_packing_missing", lambda: "no bfloat16 packing on this test CPU")
+    monkeypatch.setattr(models.loading, "native_bfloat16_missing", lambda: "no bfloat16 instructions on this test CPU")
+    folder = tiny_model_dirs["llama"]
+    with caplog.at_level(logging.WARNING, logger="genscore.models"):
+        loaded = load_model(str(folder), "cpu", "bfloat16")
+    assert _linear_kinds(loaded.model) == {torch.nn.Linear}
+    assert "no bfloat16 packing on this test CPU" in caplog.text and "plain nn.Linear" in caplog.text
+    assert "no bfloat16 instructions on this test CPU" in caplog.text and "slower than float32" in caplog.text
+    plain = plain_model(folder, dtype=torch.bfloat16)
+    sequences = [QUERY, QUERY + ITEMS[2]]
+    got = forward_logits(loaded.model, sequences, loaded.pad_token_id)  # [2, V]
+    expected = torch.stack([position_logits(plain, s)[-1] for s in sequences])
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=0)
 
 
 def test_bfloat16_scores_match_the_plain_bfloat16_model(bf16):
