@@ -33,7 +33,8 @@ class Settings(BaseSettings):
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype; `auto` is bfloat16 on CUDA and float32 on CPU."""
+    """Weights dtype; `auto` is bfloat16 on CUDA and float32 on CPU. bfloat16 on a CPU without avx512_bf16 or AMX
+    runs several times slower than float32 (a WARNING at load says so)."""
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "genscore")
     """Where converted GGUF weights are cached so later starts skip dequantization (default `~/.cache/genscore`,
     the home directory read when the settings are)."""
