@@ -7,7 +7,7 @@ import time
 import uuid
 
 from app.api.common import finite, softmax_over, usage
-from app.api.judge.label_requests import RequestLabels, label_fields, logprobs_mode_of, request_labels
+from app.api.judge.label_requests import label_fields, logprobs_mode_of, request_labels
 from app.api.judge.label_scores import label_scores
 from app.api.score.protocol import ScoreRequest
 from app.engine.core import Engine
@@ -22,7 +22,8 @@ def to_query(request: ScoreRequest, candidates: list[list[int]] | None = None) -
     """The engine's query; `candidates` (a label set's forms as token ids) stand in for the request's own."""
     return ScoreQuery(
         query=request.query, items=request.items, label_token_ids=request.label_token_ids,
-        candidates=request.candidates if candidates is None else candidates, item_first=request.item_first, add_special_tokens=request.add_special_tokens,
+        candidates=request.candidates if candidates is None else candidates, item_first=request.item_first,
+        add_special_tokens=request.add_special_tokens,
         truncate_prompt_tokens=request.truncate_prompt_tokens, logprobs_mode=request.logprobs_mode,
         top_logprobs=request.top_logprobs, temperature=request.temperature, top_k=request.top_k,
         top_p=request.top_p, min_p=request.min_p, logit_bias=request.logit_bias, model=request.model)
@@ -46,13 +47,9 @@ async def score_labels(engine: Engine, request: ScoreRequest) -> dict:
     mode = logprobs_mode_of(engine, request.logprobs_mode)
     labels = await request_labels(engine, request.labels, mode, request.calibrated)
     result = await engine.score(to_query(request, [list(c) for c in labels.bound.candidates]))
-    body = score_body(engine, request.apply_softmax, result)
-    body["data"] = [_labels_entry(i, o, labels) for i, o in enumerate(result.outcomes)]
-    return body
-
-
-def _labels_entry(index: int, outcome: ScoreOutcome, labels: RequestLabels) -> dict:
-    return {"index": index, **label_fields(labels, label_scores(labels.bound, outcome.candidate_values))}
+    data = [{"index": i, **label_fields(labels, label_scores(labels.bound, o.candidate_values))}
+            for i, o in enumerate(result.outcomes)]
+    return _body(engine, result, data)
 
 
 def scores(values: list[float], apply_softmax: bool, params: SamplingParams) -> list[float] | None:
@@ -70,6 +67,11 @@ def score_body(engine: Engine, apply_softmax: bool, result: ScoredPrompts) -> di
         data = [_candidate_entry(i, o, apply_softmax, params) for i, o in enumerate(result.outcomes)]
     else:
         data = [_label_entry(i, o, apply_softmax, params, engine.token_strings) for i, o in enumerate(result.outcomes)]
+    return _body(engine, result, data)
+
+
+def _body(engine: Engine, result: ScoredPrompts, data: list[dict]) -> dict:
+    params = result.params
     return {
         "id": f"score-{uuid.uuid4().hex}",
         "object": "score",
