@@ -88,6 +88,7 @@ def test_multi_token_forms_equal_plain_transformers(label_client, tiny_loaded, p
         assert entry["margin"] == pytest.approx(p[0] - p[1], abs=TOL)
         assert entry["entropy"] == pytest.approx(-sum(q * math.log(q) for q in p), abs=TOL)
         assert entry["expected_value"] is None and entry["calibrated"] is False
+    print(f"tiny label sets, max |delta|: {worst:.2e}")
     assert worst < TOL, worst
 
 
