@@ -67,6 +67,8 @@ async def rerank_tei(request: TeiRerankRequest, http_request: Request, engine: E
         if request.return_text:
             entry["text"] = request.texts[score.index]
         ranks.append({**entry, **window_fields(score)})
+    if request.raw_scores:  # a mean of raw scores can order documents unlike the mean of their probabilities
+        ranks.sort(key=lambda r: -r["score"])
     return ranks
 
 
