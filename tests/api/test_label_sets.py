@@ -19,7 +19,7 @@ from tests.reference import candidate_reference, position_logits
 TOL = 1e-4
 QUERY = "Question: is the sky blue? Answer:"
 ITEMS = ["", " I think", " Well,"]
-YES_NO = {"yes": [" Yes", "Yes", " yes", " yes indeed"], "no": [" No", "No", " no way"]}
+YES_NO = {"yes": [" Yes", "Yes", " yes", " indeed so"], "no": [" No", "No", " not really"]}
 RATING = {str(n): [str(n), f" {n}"] for n in range(1, 6)}
 PROCESSORS = {"temperature": 1.5, "top_k": 200}
 
@@ -150,6 +150,8 @@ def test_named_set_equals_inline_and_calibration_applies(label_client):
     ({"labels": {"yes": [" Yes"], "no": [" No", []]}}, "labels.no[1]"),
     ({"labels": {"yes": [" Yes"], "no": [[99_999]]}}, "labels.no[0]"),
     ({"labels": {"yes": [" Yes"], "no": [" Yes"]}}, "labels.no[0]"),
+    ({"labels": {"yes": [" Yes", " Yes, it is"], "no": [" No"]}}, "labels.yes[1]"),
+    ({"labels": {"yes": [" Yes, it is"], "no": [" No", " Yes"]}}, "labels.yes[0]"),
     ({"labels": {"yes": [" Yes"]}}, "labels"),
     ({"labels": {}}, "labels"),
     ({"labels": "nope"}, "labels"),

@@ -18,7 +18,7 @@ from tests.reference import candidate_reference
 TEMPLATE = "Question: {question}\nAnswer A: {answer_a}\nAnswer B: {answer_b}\nThe better answer is"
 QUESTION = "What color is the sky?"
 ANSWERS = ["Blue.", "It is green and red.", "The sky is blue on a clear day."]
-LABELS = {"A": [" A", "A"], "B": [" B", "B", " B."]}
+LABELS = {"A": [" A", "A"], "B": [" B", "B", " second one"]}
 
 
 @pytest.fixture(scope="module")

@@ -71,9 +71,9 @@ def reference_label_logprobs(model, tokenizer, prompt: list[int], label_set: dic
 
 def test_label_sets_equal_plain_transformers(server, real_loaded, reference_model):
     tokenizer = real_loaded.tokenizer
-    yes_no = json.loads(LABEL_SETS.read_text())["yes_no"] | {}
-    yes_no = {"yes": yes_no["yes"] + [" Yes, it is"], "no": yes_no["no"] + [" No, it is not"]}
-    assert any(len(tokenizer(f, add_special_tokens=False)["input_ids"]) > 1 for f in yes_no["yes"])
+    yes_no = json.loads(LABEL_SETS.read_text())["yes_no"]
+    yes_no = {"yes": yes_no["yes"] + [" Of course"], "no": yes_no["no"] + [" Not at all"]}
+    assert all(len(tokenizer(f[-1], add_special_tokens=False)["input_ids"]) > 1 for f in yes_no.values())
     worst = 0.0
     for content, label_set in (("Is Paris in France? Answer yes or no.", yes_no), (RATING_PROMPTS[1], DIGITS)):
         text = chat_text(tokenizer, content)

@@ -103,7 +103,10 @@ class BoundLabelSet:
 def bind_label_set(label_set: LabelSet, tokenizer, vocab_size: int, max_forms: int,
                    param: str = "labels") -> BoundLabelSet:
     """Tokenize each text form alone (no special tokens, as `candidates` are); 400 naming the form when it gives no
-    token, holds an id outside the vocabulary, or repeats another form's tokens (its mass would count twice)."""
+    token, holds an id outside the vocabulary, or repeats or extends another form's tokens.
+
+    The forms must be prefix-free: the probability of " Yes, it is" is part of the probability of " Yes", so a set
+    holding both would count that mass twice and its sum would be no probability."""
     total = sum(len(f) for f in label_set.forms)
     if total > max_forms:
         raise InvalidRequestError(f"the label set has {total} surface forms, more than the limit of {max_forms} "
@@ -126,4 +129,17 @@ def bind_label_set(label_set: LabelSet, tokenizer, vocab_size: int, max_forms: i
             seen[ids] = where
             candidates.append(ids)
             owner.append(i)
+    _check_prefix_free(candidates, list(seen.values()))
     return BoundLabelSet(label_set, tuple(candidates), tuple(owner))
+
+
+def _check_prefix_free(candidates: list[tuple[int, ...]], names: list[str]) -> None:
+    """400 naming the longer of two forms when one's tokens begin with the other's."""
+    index = {ids: k for k, ids in enumerate(candidates)}
+    for k, ids in enumerate(candidates):
+        for end in range(1, len(ids)):
+            shorter = index.get(ids[:end])
+            if shorter is not None:
+                raise InvalidRequestError(
+                    f"the tokens of this surface form begin with those of {names[shorter]}, whose probability "
+                    "already includes it; the forms of a label set must not extend one another", names[k])

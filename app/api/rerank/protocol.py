@@ -1,5 +1,5 @@
 """Request and response models of the rerank routes: the Cohere/Jina/vLLM shape, Text Embeddings Inference's shape,
-and the long-document fields both take (windows over the shared query prefix, or truncation)."""
+and the scoring fields both take (windows of long documents over the shared query prefix, a label set)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from app.api.protocol import SHAPE_TAG_SUFFIX, Flag, StrictModel, TokenId
 JINA_SHAPE, TEI_SHAPE = f"jina{SHAPE_TAG_SUFFIX}", f"tei{SHAPE_TAG_SUFFIX}"
 
 
-class LongDocumentFields(StrictModel):
-    """How a document longer than `max_tokens_per_doc` (or than what fits the model with the query) is scored."""
+class RerankScoringFields(StrictModel):
+    """How documents are scored, in every shape: the windows of a document longer than `max_tokens_per_doc` (or than
+    what fits the model beside the query), how its windows' scores aggregate, and the label set."""
 
     window_size: TokenId | None = Field(
         default=None, ge=1, description="Tokens per window of a long document (default: max_tokens_per_doc, else what "
@@ -35,7 +36,7 @@ class TextDocument(BaseModel):
     text: str
 
 
-class RerankRequest(LongDocumentFields):
+class RerankRequest(RerankScoringFields):
     """The fields Cohere v2, Jina and vLLM rerank clients send, plus the long-document fields."""
 
     model: str | None = Field(default=None, description="Must match the served model name when given.")
@@ -52,7 +53,7 @@ class RerankRequest(LongDocumentFields):
                            "it in windows.")
 
 
-class TeiRerankRequest(LongDocumentFields):
+class TeiRerankRequest(RerankScoringFields):
     """Text Embeddings Inference's rerank request (Haystack's TEI ranker and other RAG stacks send it)."""
 
     query: str = Field(description="The search query.")

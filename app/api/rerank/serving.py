@@ -10,7 +10,7 @@ from app.api.common import softmax_over, usage
 from app.api.judge.label_requests import RequestLabels, logprobs_mode_of, request_labels
 from app.api.judge.label_scores import label_scores
 from app.api.rerank.formats import RerankPrompts
-from app.api.rerank.protocol import LongDocumentFields
+from app.api.rerank.protocol import RerankScoringFields
 from app.api.rerank.windows import DocumentPieces, LongDocumentPolicy, document_pieces
 from app.engine.core import Engine
 from app.engine.inputs import check_list_size
@@ -30,7 +30,7 @@ class RerankJob:
     max_tokens_per_doc: int | None
     truncate: bool
     keep_end: bool  # truncation keeps a document's end (TEI's truncation_direction Left)
-    fields: LongDocumentFields  # window_size, window_stride, aggregate, labels
+    fields: RerankScoringFields  # window_size, window_stride, aggregate, labels
 
 
 @dataclass(frozen=True)
