@@ -1,4 +1,5 @@
-"""The `genscore` command: `genscore serve` and `genscore warm-cache`; every Settings field is a flag and a GENSCORE_* variable."""
+"""The `genscore` command: `genscore serve`, `warm-cache`, `run-batch` and `calibrate`; every Settings field is a flag
+and a GENSCORE_* variable."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from pydantic_settings import CliApp, CliSettingsSource
 from app.logs import configure_logging
 from app.settings import Settings
 
-USAGE = "usage: genscore {serve,warm-cache,run-batch} [--help] [--FLAG VALUE ...]"
+USAGE = "usage: genscore {serve,warm-cache,run-batch,calibrate} [--help] [--FLAG VALUE ...]"
 COMMANDS = """commands:
   serve        serve a model over HTTP (genscore serve --help lists the flags)
   warm-cache   convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit
-  run-batch    answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)"""
+  run-batch    answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)
+  calibrate    fit a label set's calibration on labelled prompts, scored by a running server (genscore calibrate --help)"""
 
 log = logging.getLogger("genscore")
 
@@ -177,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"serve": serve, "warm-cache": warm_cache}
     if argv[0] == "run-batch":
         return run_batch(argv[1:])
+    if argv[0] == "calibrate":
+        from app.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     if argv[0] not in commands:
         print(f"genscore: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2

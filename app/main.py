@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from app.api.compat import sglang, vllm
 from app.api.errors import edge_error_responses, install_error_handlers
 from app.api.health import router as health
+from app.api.judge import router as judge
 from app.api.openai import router as openai
 from app.api.rerank import router as rerank
 from app.api.rerank.formats import RerankFormatError, RerankPrompts, resolve_format
@@ -158,6 +159,6 @@ def create_app(
     install_access_control(app, settings)
     # Outermost (added last): every response, errors included, gets its request id and is counted and logged.
     app.add_middleware(ObservabilityMiddleware, metrics=metrics_registry, access_log_enabled=settings.access_log)
-    for routes in (health, score, openai, tokenize, sglang, vllm, rerank):
+    for routes in (health, score, openai, tokenize, sglang, vllm, rerank, judge):
         app.include_router(routes.router)
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, ByteSize, Field, SecretStr, model_validator
+from pydantic import AfterValidator, ByteSize, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
@@ -116,7 +116,29 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._read_judging_files()
         return self
+
+    def _read_judging_files(self) -> None:
+        """Parse --label-sets and --calibration once, so that a bad file stops the start with its reason."""
+        from app.api.judge.calibration import read_calibrations
+        from app.api.judge.label_sets import read_label_sets
+
+        self._label_sets = read_label_sets(self.label_sets) if self.label_sets is not None else {}
+        if self.calibration is not None:
+            if self.label_sets is None:
+                raise ValueError("--calibration needs --label-sets: a calibration belongs to a named label set")
+            self._calibrations = read_calibrations(self.calibration, self._label_sets)
+
+    @property
+    def label_set_definitions(self) -> dict:
+        """The label sets of --label-sets by name (LabelSet objects), read once."""
+        return self._label_sets
+
+    @property
+    def calibrations(self) -> dict:
+        """The calibrations of --calibration by label set name (Calibration objects), read once."""
+        return self._calibrations
 
     @property
     def model_name(self) -> str:
@@ -142,3 +164,19 @@ class Settings(BaseSettings):
     rerank_format: str = "chat"
     """Prompt of the rerank routes: `chat` (the model's chat template), `qwen3-reranker` (Qwen3-Reranker's own
     format), or the path of a JSON file with prefix, query, document, suffix, yes and no."""
+
+    # --- judging: label sets, calibration, pairwise judgments, long documents in rerank ---
+    label_sets: Path | None = None
+    """JSON file of named label sets, `{"set": {"label": [surface form, ...], ...}, ...}` (a form is text or a list
+    of token ids); a request names one in `labels`."""
+    calibration: Path | None = None
+    """JSON file written by `genscore calibrate`: per label set name, the temperature (and biases) a request gets with
+    `calibrated: true`. Needs --label-sets."""
+    max_judge_pairs: int = Field(default=45, ge=1)
+    """Most answer pairs one /v1/judge/pairwise request compares (n answers make n(n-1)/2 pairs, each scored in both
+    orders)."""
+    max_rerank_windows: int = Field(default=1024, ge=1)
+    """Most prompts one rerank request is split into: every window of every document, together."""
+
+    _label_sets: dict = PrivateAttr(default_factory=dict)
+    _calibrations: dict = PrivateAttr(default_factory=dict)

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api.protocol import ErrorResponse
+from app.api.protocol import SHAPE_TAG_SUFFIX, ErrorResponse
 from app.edge.responses import error_response
 from app.errors import GenscoreError, error_body
 
@@ -28,8 +28,9 @@ def _field_name(loc: tuple) -> str | None:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif isinstance(part, str) and ("[" in part or part in {"str", "int", "list"} or "function-" in part):
-            continue  # union branch labels such as 'list[int]'
+        elif isinstance(part, str) and ("[" in part or part in {"str", "int", "list"} or "function-" in part
+                                        or part.endswith(SHAPE_TAG_SUFFIX)):
+            continue  # union branch labels such as 'list[int]' or a route's request shape ('tei-shape')
         else:
             name += f".{part}" if name else str(part)
     return name or None

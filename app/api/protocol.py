@@ -12,6 +12,8 @@ TokenId = Annotated[int, Strict()]
 # ints are accepted as numbers, bools and strings are not; nor NaN/Infinity, which Python's JSON parser lets through
 Number = Annotated[float, Strict(), AllowInfNan(False)]
 Flag = Annotated[bool, Strict()]
+# A route that takes several request shapes tags each branch "<name>-shape"; error messages leave the tag out.
+SHAPE_TAG_SUFFIX = "-shape"
 
 
 class StrictModel(BaseModel):

@@ -116,10 +116,17 @@ class RerankPrompts:
         text = fmt.query.format(instruction=instruction or fmt.default_instruction, query=query)
         return self._ids(fmt.prefix + text)
 
-    def document(self, text: str, max_tokens: int | None) -> list[int]:
-        """The document's piece, cut to its first max_tokens tokens when given."""
-        ids = self._ids(self.format.document.format(document=text))
-        return ids if max_tokens is None else ids[:max_tokens]
+    def document(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """The document's piece as token ids, with each token's character span in the document text (None with a
+        tokenizer that gives no offsets); the template's own text around the document is clipped away."""
+        piece = self.format.document.format(document=text)
+        if not self.tokenizer.is_fast:
+            return self._ids(piece), None
+        encoded = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+        before = self.format.document.format(document="\x00").index("\x00")  # characters ahead of the document
+        spans = [(min(max(a - before, 0), len(text)), min(max(b - before, 0), len(text)))
+                 for a, b in encoded["offset_mapping"]]
+        return encoded["input_ids"], spans
 
     def tail(self) -> list[int]:
         return self._ids(self.format.suffix)

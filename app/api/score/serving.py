@@ -7,18 +7,23 @@ import time
 import uuid
 
 from app.api.common import finite, softmax_over, usage
+from app.api.judge.label_requests import label_fields, logprobs_mode_of, request_labels
+from app.api.judge.label_scores import label_scores
 from app.api.score.protocol import ScoreRequest
 from app.engine.core import Engine
 from app.engine.results import ScoredPrompts, ScoreOutcome
 from app.engine.token_strings import TokenStrings
 from app.engine.work import ScoreQuery
+from app.errors import InvalidRequestError
 from sampler import SamplingParams
 
 
-def to_query(request: ScoreRequest) -> ScoreQuery:
+def to_query(request: ScoreRequest, candidates: list[list[int]] | None = None) -> ScoreQuery:
+    """The engine's query; `candidates` (a label set's forms as token ids) stand in for the request's own."""
     return ScoreQuery(
         query=request.query, items=request.items, label_token_ids=request.label_token_ids,
-        candidates=request.candidates, item_first=request.item_first, add_special_tokens=request.add_special_tokens,
+        candidates=request.candidates if candidates is None else candidates, item_first=request.item_first,
+        add_special_tokens=request.add_special_tokens,
         truncate_prompt_tokens=request.truncate_prompt_tokens, logprobs_mode=request.logprobs_mode,
         top_logprobs=request.top_logprobs, temperature=request.temperature, top_k=request.top_k,
         top_p=request.top_p, min_p=request.min_p, logit_bias=request.logit_bias, model=request.model)
@@ -26,7 +31,25 @@ def to_query(request: ScoreRequest) -> ScoreQuery:
 
 async def score(engine: Engine, request: ScoreRequest) -> dict:
     """The /score response body of one request."""
+    if request.labels is not None:
+        return await score_labels(engine, request)
+    if request.calibrated:
+        raise InvalidRequestError("calibrated applies to a named label set (`labels`)", "calibrated")
     return score_body(engine, request.apply_softmax, await engine.score(to_query(request)))
+
+
+async def score_labels(engine: Engine, request: ScoreRequest) -> dict:
+    """A label-set request: every surface form scored as a candidate, then combined per label."""
+    for other in ("label_token_ids", "candidates"):
+        if getattr(request, other) is not None:
+            raise InvalidRequestError(f"give labels or {other}, not both", other)
+    engine.checks.model(request.model)
+    mode = logprobs_mode_of(engine, request.logprobs_mode)
+    labels = await request_labels(engine, request.labels, mode, request.calibrated)
+    result = await engine.score(to_query(request, [list(c) for c in labels.bound.candidates]))
+    data = [{"index": i, **label_fields(labels, label_scores(labels.bound, o.candidate_values))}
+            for i, o in enumerate(result.outcomes)]
+    return _body(engine, result, data)
 
 
 def scores(values: list[float], apply_softmax: bool, params: SamplingParams) -> list[float] | None:
@@ -44,6 +67,11 @@ def score_body(engine: Engine, apply_softmax: bool, result: ScoredPrompts) -> di
         data = [_candidate_entry(i, o, apply_softmax, params) for i, o in enumerate(result.outcomes)]
     else:
         data = [_label_entry(i, o, apply_softmax, params, engine.token_strings) for i, o in enumerate(result.outcomes)]
+    return _body(engine, result, data)
+
+
+def _body(engine: Engine, result: ScoredPrompts, data: list[dict]) -> dict:
+    params = result.params
     return {
         "id": f"score-{uuid.uuid4().hex}",
         "object": "score",

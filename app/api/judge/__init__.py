@@ -1,0 +1,1 @@
+"""Judging: label sets with calibration, and order-debiased pairwise judgments."""

@@ -1,0 +1,23 @@
+"""POST /v1/judge/pairwise: order-debiased pairwise judgments with a label set."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from app.api.common import FastJSONResponse, ready_engine
+from app.api.judge.protocol import PairwiseRequest, PairwiseResponse
+from app.api.judge.serving import judge_pairwise
+from app.api.protocol import ErrorResponse
+from app.engine.core import Engine
+
+router = APIRouter()
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
+
+
+@router.post("/v1/judge/pairwise", response_model=PairwiseResponse, responses=_ERRORS,
+             response_class=FastJSONResponse)
+async def pairwise(request: PairwiseRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
+    body = await judge_pairwise(engine, request)
+    http_request.app.state.metrics.observe_usage(body["usage"])
+    return FastJSONResponse(body)
