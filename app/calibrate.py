@@ -113,7 +113,10 @@ def split(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
 
 def plot(path: Path, before: list, after: list, title: str) -> None:
     """Two reliability diagrams side by side: accuracy per confidence bin against the diagonal."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an optional dependency of the server: only the plot needs it
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
