@@ -91,9 +91,9 @@ class MemoryModel:
         config = getattr(config, "text_config", None) or config
         hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
         layers = _config_int(config, "num_hidden_layers", "n_layer", "num_layers")
-        heads = _config_int(config, "num_attention_heads", "n_head")
+        # a model without attention (state-space only) names no heads: count one, a small overestimate
+        heads = _config_int(config, "num_attention_heads", "n_head") or 1
         kv_heads = _config_int(config, "num_key_value_heads", "multi_query_group_num") or heads
-        heads = heads or 1  # a model without attention (state-space only) keeps no keys and values per head
         head_dim = _config_int(config, "head_dim") or hidden // heads
         intermediate = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
         element = torch.empty((), dtype=loaded.dtype).element_size()

@@ -394,10 +394,16 @@ def _compile_check(checker: _Checker, compile: bool, cache_dir: Path | None, bat
 
 
 def _guarded(checker: _Checker, name: str, step, *args) -> None:
-    """Run one path's step; anything it raises unexpectedly switches that path off instead of failing the load."""
+    """Run one step of the check; anything it raises unexpectedly puts the plan back as it was before the step and
+    switches off every path the step had turned on, instead of failing the load."""
+    plan, recorded = checker.plan, len(checker.checks)
     try:
         step(checker, *args)
     except Exception as exc:  # noqa: BLE001 - a fast path can never stop a model from loading
+        checker.plan = plan
+        reason = f"the self-check raised {type(exc).__name__}: {exc}"
+        checker.checks[recorded:] = [PathCheck(c.name, False, c.difference, reason) if c.enabled else c
+                                     for c in checker.checks[recorded:] if c.name != name]
         checker.record(_failed(name, "the self-check", exc))
 
 

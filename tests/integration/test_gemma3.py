@@ -73,7 +73,7 @@ def post_score(client, body: dict) -> dict:
 
 
 def test_fast_paths_pass_their_self_check(gemma):
-    paths = {check.name: check for check in gemma.fast_paths.checks}
+    paths = {check.name: check for check in gemma.plan.checks}
     assert paths["packed_batches"].enabled and paths["prepacked_linears"].enabled
     assert not paths["shared_prefix"].enabled  # a sliding-window cache: items run from scratch
 
