@@ -71,9 +71,11 @@ COMPILE_CPU_ONLY = "compiled layers are measured on CPU only"
 # (recurrent, convolution, linear attention): packed sequences would run into each other, and those states cannot
 # be re-laid out in a shared key/value cache.
 CARRIES_STATE = "layers carry state across positions"
+# Why whole-cache reuse and cached decoding are off for a model whose forward hands back no cache object.
+NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back no cache"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
-             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE)
+             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -289,6 +291,9 @@ def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
         return
     else:
         checker.record(PathCheck("packed_suffixes", False, None, SHARED_PREFIX_OFF))
+    if not _returns_cache(checker.plan, model.device):
+        checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, NO_CACHE_OBJECT))
+        return
     checker.attempt(WHOLE_CACHE_PREFIX, replace(checker.plan, prefix_reuse="whole_cache"), checker.prefix_error)
 
 
@@ -299,6 +304,9 @@ def _decoding(checker: _Checker) -> None:
     if plan.stateful_layers:
         checker.record(PathCheck("batched_decoding", False, None, f"{CARRIES_STATE}: {', '.join(plan.stateful_layers)}"))
     elif checker.attempt("batched_decoding", replace(plan, decoding="batched"), checker.decoding_error):
+        return
+    if not _returns_cache(checker.plan, checker.model.device):
+        checker.record(PathCheck("cached_decoding", False, None, NO_CACHE_OBJECT))
         return
     checker.attempt("cached_decoding", replace(checker.plan, decoding="per_request"), checker.decoding_error)
 

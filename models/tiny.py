@@ -79,6 +79,10 @@ _ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                         num_hidden_layers=2, rotary_pct=0.25)),
     "smollm3": ("SmolLM3Config", dict(_BODY, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
+    # ALiBi: no position ids at all, a bias on the attention scores
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
+    # a mixture of experts whose output class carries router logits
+    "mixtral": ("MixtralConfig", dict(_BODY, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)),
     # learned positions read with an offset of 2
     "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
                               word_embed_proj_dim=64)),
@@ -116,7 +120,15 @@ _ARCHITECTURES: dict[str, tuple[str, dict]] = {
                                        block_size=16, num_local_experts=4)),
 }
 TINY_ARCHITECTURES = ("llama", "gpt2", "qwen2")
-CONFORMANCE_ARCHITECTURES = tuple(arch for arch in _ARCHITECTURES if arch not in ("gpt2", "qwen2"))
+# The zoo of attention variants (windows, sinks, soft-caps, scales, NoPE) that every fast path applies to.
+ATTENTION_ZOO = ("llama", "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss", "olmo2",
+                 "granite", "cohere2", "starcoder2", "gpt_neox", "smollm3")
+# One model per family whose layers, positions, outputs or caches differ: Conv1D (gpt2, also an API test model),
+# ALiBi, MoE outputs, learned positions with an offset, chunked attention, multiplied heads, state-space,
+# attention + state-space hybrids, gated delta, convolutions, recurrent local attention, lightning attention.
+FAMILY_ZOO = ("gpt2", "bloom", "mixtral", "opt", "llama4", "falcon_h1", "mamba", "jamba", "qwen3_next", "lfm2",
+              "recurrent_gemma", "minimax")
+CONFORMANCE_ARCHITECTURES = ATTENTION_ZOO + FAMILY_ZOO
 
 
 def _config(arch: str, vocab_size: int, max_positions: int):

@@ -17,7 +17,7 @@ import sampler
 from models import forward_logits, load_model
 from models.head import head_logits
 from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes
-from models.tiny import CONFORMANCE_ARCHITECTURES, make_tiny_model
+from models.tiny import ATTENTION_ZOO, make_tiny_model
 from sampler import LogprobsMode, SamplingParams
 
 MAX_POSITIONS = 256
@@ -35,7 +35,7 @@ mode = st.sampled_from(list(LogprobsMode))
 neighbour = st.tuples(sequence, st.integers(1, 3), mode, st.sampled_from([None, 0.7, 1.5]), st.sampled_from([None, 5]))
 
 
-@pytest.fixture(scope="module", params=[(a, d) for a in CONFORMANCE_ARCHITECTURES for d in ("float32", "bfloat16")],
+@pytest.fixture(scope="module", params=[(a, d) for a in ATTENTION_ZOO for d in ("float32", "bfloat16")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def invariant(request, tmp_path_factory):
     arch, dtype = request.param

@@ -80,7 +80,7 @@ def test_prepacked_linear_matches_nn_linear(dtype, tol):
 
 
 def test_serving_kernels_leave_lm_head_and_embeddings_alone(tiny_loaded):
-    model, plan = tiny_loaded.model, tiny_loaded.plan
+    model = tiny_loaded.model
     prepacked = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
     assert prepacked and not isinstance(model.get_output_embeddings(), PrepackedLinear)
     if model.config.tie_word_embeddings:
