@@ -119,7 +119,7 @@ def test_bfloat16_matches_plain_bfloat16(zoo):
     served = load_model(str(zoo.folder), device="cpu", dtype="bfloat16", cache_dir=None)
     plain = AutoModelForCausalLM.from_pretrained(zoo.folder, dtype=torch.bfloat16).eval()
     prompts = [random_ids(n, seed=10 + n) for n in (6, 3 * WINDOW, 7 * WINDOW)]
-    got = forward_logits(served.model, served.plan, served.plan, prompts, served.pad_token_id).log_softmax(-1)  # [3, V]
+    got = forward_logits(served.model, served.plan, prompts, served.pad_token_id).log_softmax(-1)  # [3, V]
     with torch.inference_mode():
         want = torch.stack([plain(torch.tensor([p])).logits[0, -1].float().log_softmax(-1) for p in prompts])
     expected_gap = ((got - want).abs() * want.exp()).sum(-1).max().item()
