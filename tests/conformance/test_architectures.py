@@ -138,7 +138,7 @@ def test_greedy_generation_is_what_generate_gives(zoo):
     ids = generated[0, len(prompt):].tolist()
     if zoo.served.tokenizer.eos_token_id in ids:
         ids = ids[: ids.index(zoo.served.tokenizer.eos_token_id)]
-    assert response.json()["choices"][0]["text"] == zoo.served.tokenizer.decode(ids)
+    assert response.json()["choices"][0]["text"] == zoo.served.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_self_check_keeps_the_fast_paths_that_apply(zoo):
@@ -167,4 +167,4 @@ def test_self_check_keeps_the_fast_paths_that_apply(zoo):
     assert paths["packed_suffixes"].enabled == (key_values and sdpa), paths["packed_suffixes"]
     if not key_values:
         assert paths["whole_cache_prefix"].enabled == (plan.prefix_reuse == "whole_cache")
-    assert all(c.difference is None or c.difference <= TOL for c in paths.values())
+    assert all(c.difference is None or c.difference <= TOL for c in paths.values() if c.enabled)
