@@ -3,14 +3,12 @@ sequences longer than the model's smallest attention window; a path that disagre
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from models.body import find_body, returned_cache
@@ -31,25 +29,10 @@ from models.prefix import (
     supports_prefix_reuse,
 )
 from models.prepack import prepack_linears, prepacked_head, restore_linears
+from models.probe import TOLERANCE, Probe, check_path, logprob_error, make_probe, plain_logits
 
 log = logging.getLogger("genscore.models")
 
-# How far a fast path may move the numbers from the plain forward's. A path that drops part of the model's math
-# (a window, a logit scale) moves them by whole nats (0.3 to 17 on the conformance zoo); a path that only
-# reorders sums moves them by rounding, and the tolerance sits well above that and far below the former.
-# float32: the largest |logprob difference| over every token. Rounding alone reaches 1.3e-4 on Gemma-3-270M
-# (logits near 50 over a 262k vocabulary), where the plain forward itself moves by 8e-5 between asking for
-# the last few positions' logits and asking for all of them; so 1e-3 here, while the tests hold what a request
-# returns to 1e-4. Half precision rounds every intermediate result and moves single logprobs by up to ~0.5
-# nats (SmolLM2-135M in bfloat16): there the measure is the expected |logprob difference| under the plain
-# forward's distribution at the worst position (0.07 on SmolLM2-135M's correct paths).
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
-# Extra tokens past the smallest attention window in the long probe, and its length when there is no window.
-_PAST_WINDOW = 24
-_NO_WINDOW_LENGTH = 40
-# Cap on the long probe: a model with a 4096-token window would otherwise need minutes of CPU per check. Windows
-# up to ~1000 tokens are crossed by the probe; past that the check runs the paths without crossing one.
-_MAX_PROBE_LENGTH = 1024
 # Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
 # Shared-prefix reuse through a copy of the model's whole cache, where key/value reuse does not apply.
@@ -80,87 +63,8 @@ _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
 
-def smallest_window(model: PreTrainedModel) -> int | None:
-    """The shortest span any attention layer sees (sliding window or attention chunk), if the config sets one."""
-    config = model.config.get_text_config()
-    spans = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "window_size")]
-    spans = [span for span in spans if isinstance(span, int) and span > 0]
-    return min(spans) if spans else None
-
-
-@dataclass(frozen=True)
-class _Probe:
-    """Three sequences of mixed lengths as two prefixes with suffixes: long_prefix + a runs past the smallest
-    window, and two suffixes share short_prefix (the prefix cache's case: one prefix, several suffixes)."""
-
-    long_prefix: list[int]
-    short_prefix: list[int]
-    suffixes: tuple[list[int], list[int], list[int]]  # the first follows long_prefix, the others short_prefix
-
-    @property
-    def sequences(self) -> list[list[int]]:
-        return [prefix + suffix for prefix, suffix in zip(self.prefixes, self.suffixes)]
-
-    @property
-    def prefixes(self) -> list[list[int]]:
-        return [self.long_prefix, self.short_prefix, self.short_prefix]
-
-    @property
-    def keep(self) -> list[int]:
-        """Positions compared per sequence: the one before each suffix token, and the last."""
-        return [len(s) + 1 for s in self.suffixes]
-
-
-def _make_probe(model: PreTrainedModel, vocab_size: int, max_length: int) -> _Probe:
-    window = smallest_window(model)
-    longest = min(max_length, _MAX_PROBE_LENGTH, window + _PAST_WINDOW if window else _NO_WINDOW_LENGTH)
-    generator = torch.Generator().manual_seed(0)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab_size, (n,), generator=generator).tolist()  # any id the embedding holds
-
-    long_prefix = tokens(max(1, longest - 9))
-    return _Probe(long_prefix, tokens(6), (tokens(4), tokens(9), tokens(5)))
-
-
-
 class PlainForwardError(RuntimeError):
     """The model's own forward fails on a plain sequence: nothing can serve it."""
-
-
-def _plain_logits(model: PreTrainedModel, body: nn.Module, sequences: list[list[int]], keep: list[int]):
-    """The model's own forward, one unpadded sequence at a time: the logits of each one's last k positions
-    [sum k, V], and the body's final hidden states at those positions [sum k, H] (seen by a hook, not rerun)."""
-    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    seen: list[torch.Tensor] = []
-    hook = body.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state[0]))
-    rows, hidden = [], []
-    try:
-        for seq, k in zip(sequences, keep):
-            extra = {"logits_to_keep": k} if takes_keep else {}  # [k, V] instead of [len, V] at a 262k vocabulary
-            rows.append(model(torch.tensor([seq], device=model.device), use_cache=False, **extra).logits[0, -k:])
-            hidden.append(seen.pop()[-k:])
-    finally:
-        hook.remove()
-    return torch.cat(rows), torch.cat(hidden)
-
-
-def _error(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> float:
-    """got: logits [N, V]; reference: float32 logprobs [N, V]; the difference measure of TOLERANCE's comment."""
-    diff = (got.float().log_softmax(-1) - reference).abs()  # [N, V]
-    if dtype == torch.float32:
-        return diff.max().item()
-    return (diff * reference.exp()).sum(-1).max().item()
-
-
-def _check(name: str, tolerance: float, run) -> PathCheck:
-    try:
-        error = run()
-    except Exception as exc:  # noqa: BLE001 - a path that cannot run at all is a path to switch off
-        return PathCheck(name, False, None, f"{type(exc).__name__}: {exc}")
-    if error != error or error > tolerance:  # NaN counts as disagreement
-        return PathCheck(name, False, error, f"differs from the plain forward by {error:.3g} (tolerance {tolerance:g})")
-    return PathCheck(name, True, error)
 
 
 def _failed(name: str, stage: str, exc: Exception) -> PathCheck:
@@ -171,7 +75,7 @@ def _failed(name: str, stage: str, exc: Exception) -> PathCheck:
 class _Checker:
     """The self-check's state: the probe, the plain forward's numbers on it, and the plan as it grows."""
 
-    def __init__(self, model: PreTrainedModel, plan: ForwardPlan, probe: _Probe, reference: torch.Tensor,
+    def __init__(self, model: PreTrainedModel, plan: ForwardPlan, probe: Probe, reference: torch.Tensor,
                  plain_hidden: torch.Tensor, tolerance: float, pad_token_id: int):
         self.model, self.plan, self.probe = model, plan, probe
         self.reference, self.plain_hidden = reference, plain_hidden
@@ -179,7 +83,7 @@ class _Checker:
         self.checks: list[PathCheck] = []
 
     def error(self, logits: torch.Tensor) -> float:
-        return _error(logits, self.reference, self.model.dtype)
+        return logprob_error(logits, self.reference, self.model.dtype)
 
     def forward_error(self, plan: ForwardPlan) -> float:
         """The scoring forward of `plan` (packed, padded or compiled, whichever it says)."""
@@ -214,7 +118,7 @@ class _Checker:
         stacked = torch.stack(got, dim=1)  # [2, steps + 1, V]
         ends = torch.tensor(probe.keep).cumsum(0).tolist()
         reference = torch.cat([self.reference[end - steps - 1 : end] for end in ends[:2]])  # [2 * (steps + 1), V]
-        return _error(stacked.reshape(-1, stacked.shape[-1]), reference, model.dtype)
+        return logprob_error(stacked.reshape(-1, stacked.shape[-1]), reference, model.dtype)
 
     def record(self, check: PathCheck) -> bool:
         self.checks.append(check)
@@ -222,7 +126,7 @@ class _Checker:
 
     def attempt(self, name: str, candidate: ForwardPlan, measure) -> bool:
         """Keep `candidate` as the plan when `measure(candidate)` agrees with the plain forward."""
-        if self.record(_check(name, self.tolerance, lambda: measure(candidate))):
+        if self.record(check_path(name, self.tolerance, lambda: measure(candidate))):
             self.plan = candidate
             return True
         return False
@@ -242,7 +146,7 @@ def _prepacked(checker: _Checker, batch_invariant: bool) -> None:
                             held_head=held)
 
         def prepacked_error(candidate: ForwardPlan) -> float:  # the body's packed linears, then the packed head
-            body = checker.error(_plain_logits(model, plan.body, checker.probe.sequences, checker.probe.keep)[0])
+            body = checker.error(plain_logits(model, plan.body, checker.probe.sequences, checker.probe.keep)[0])
             return max(body, checker.error(head_logits(candidate, checker.plain_hidden)))
 
         if not checker.attempt("prepacked_linears", candidate, prepacked_error):
@@ -393,7 +297,7 @@ def _compile_check(checker: _Checker, compile: bool, cache_dir: Path | None, bat
         uncompile_layers(model)
         return _failed(COMPILED_LAYERS, "installing", exc)
     candidate = replace(plan, compiled=True)
-    check = _check(COMPILED_LAYERS, checker.tolerance, lambda: checker.forward_error(candidate))  # first call compiles
+    check = check_path(COMPILED_LAYERS, checker.tolerance, lambda: checker.forward_error(candidate))  # first call compiles
     if check.enabled:
         checker.plan = candidate
     else:
@@ -450,18 +354,18 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     """
     started = time.perf_counter()
     tolerance = TOLERANCE.get(model.dtype, 0.1)
-    probe = _make_probe(model, vocab_size, max_length)
+    probe = make_probe(model, vocab_size, max_length)
     try:
         body = find_body(model)
-        plain_logits, plain_hidden = _plain_logits(model, body, probe.sequences, probe.keep)  # [N, V], [N, H]
+        logits, plain_hidden = plain_logits(model, body, probe.sequences, probe.keep)  # [N, V], [N, H]
     except Exception as exc:
         raise PlainForwardError(f"the model's own transformers forward fails on a plain {len(probe.sequences[0])}-"
                                 f"token sequence, so it cannot be served: {type(exc).__name__}: {exc}") from exc
-    reference = plain_logits.float().log_softmax(-1)  # [N, V]
+    reference = logits.float().log_softmax(-1)  # [N, V]
     plan = ForwardPlan(body=body, head=build_head(model, body), stateful_layers=stateful_layers(model),
                        tolerance=tolerance)
     checker = _Checker(model, plan, probe, reference, plain_hidden, tolerance, pad_token_id)
-    head = _check("output_head", tolerance, lambda: checker.error(head_logits(plan, plain_hidden)))
+    head = check_path("output_head", tolerance, lambda: checker.error(head_logits(plan, plain_hidden)))
     if not head.enabled:
         raise RuntimeError(f"genscore cannot read this model's logits the way its own forward does: {head.reason}")
     checker.record(head)

@@ -98,7 +98,7 @@ def test_batch_invariance_that_raises_while_installing_is_switched_off(tiny_mode
 
 
 def test_the_load_fails_in_plain_words_only_when_the_model_own_forward_fails(tiny_model_dirs, monkeypatch):
-    monkeypatch.setattr(models.selfcheck, "_plain_logits", _boom)
+    monkeypatch.setattr(models.selfcheck, "plain_logits", _boom)
     with pytest.raises(models.selfcheck.PlainForwardError, match="the model's own transformers forward fails"):
         load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", cache_dir=None)
 
