@@ -86,7 +86,11 @@ def _alone_hidden(plan: ForwardPlan, sequence: Sequence[int], keep: int, device:
     """One sequence through the model's own body exactly as its plain forward runs it (no mask, no positions, no
     cache): the final hidden states of its last `keep` positions, [keep, H]."""
     input_ids = torch.tensor([list(sequence)], dtype=torch.long, device=device)
-    return plan.body(input_ids=input_ids, use_cache=False).last_hidden_state[0, -keep:]
+    hidden = plan.body(input_ids=input_ids, use_cache=False).last_hidden_state[0]  # [L, H]
+    if keep <= hidden.shape[0]:
+        return hidden[-keep:]
+    # keep rows even when a caller asks past the sequence's start, as the packed and padded layouts do
+    return hidden[torch.arange(hidden.shape[0] - keep, hidden.shape[0], device=device).clamp_(min=0)]
 
 
 def _picked_hidden(
