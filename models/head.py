@@ -34,6 +34,10 @@ def _stand_in(body: nn.Module) -> nn.Module:
     """A shallow copy of the body whose forward returns what it is handed: every attribute the CausalLM's forward
     reads from its body (a logit multiplier, a config) is still there, and no weight is copied."""
     stand_in = copy.copy(body)
+    for name, value in vars(body).items():
+        if name.endswith("_hooks") or "_hooks_" in name:
+            # its own empty hook tables: a hook on the body must not fire when the head runs
+            object.__setattr__(stand_in, name, type(value)())
     stand_in.forward = given_hidden
     return stand_in
 
