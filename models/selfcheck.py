@@ -37,6 +37,10 @@ log = logging.getLogger("genscore.models")
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
 # Shared-prefix reuse through a copy of the model's whole cache, where key/value reuse does not apply.
 WHOLE_CACHE_PREFIX = "whole_cache_prefix"
+# Why an attention-only model whose cache is not plain full attention (sliding windows, chunks) reuses no prefix:
+# its items run from scratch in the batch's packed or padded calls, which beats one copy of the cache per item
+# unless the shared query is long.
+RUNS_FROM_SCRATCH = "no layer carries state: items run from scratch with the rest of the batch"
 # Why suffixes over a shared prefix run one padded row each instead of packed (models/prefix.py).
 UNPACKED_WHEN_INVARIANT = "batch-invariant: suffixes run in fixed-width rows of their own"
 NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suffixes' boolean mask"
@@ -58,7 +62,7 @@ CARRIES_STATE = "layers carry state across positions"
 NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back no cache"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
-             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT)
+             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -178,8 +182,8 @@ def _layout(checker: _Checker) -> None:
 
 
 def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
-    """Key/value reuse (packed suffixes where SDPA reads their mask) over plain attention caches; else a copy of the
-    model's whole cache at the prefix boundary; else off."""
+    """Key/value reuse (packed suffixes where SDPA reads their mask) over plain attention caches; else, for a model
+    whose layers carry state, a copy of its whole cache at the prefix boundary; else off."""
     model, plan = checker.model, checker.plan
     if plan.stateful_layers or not supports_prefix_reuse(model):
         checker.record(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
@@ -195,6 +199,9 @@ def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
         return
     else:
         checker.record(PathCheck("packed_suffixes", False, None, SHARED_PREFIX_OFF))
+    if not plan.stateful_layers:
+        checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, RUNS_FROM_SCRATCH))
+        return
     if not _returns_cache(checker.plan, model.device):
         checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, NO_CACHE_OBJECT))
         return

@@ -143,8 +143,8 @@ def test_greedy_generation_is_what_generate_gives(zoo):
 
 def test_self_check_keeps_the_fast_paths_that_apply(zoo):
     """Packing wherever attention is SDPA and no layer carries state, padded batches elsewhere; key/value prefix
-    reuse over plain full attention, packed suffixes over it wherever attention is SDPA, else a copy of the whole
-    cache where it proves exact; batched decoding over attention caches, else each row alone with its own cache."""
+    reuse over plain full attention, packed suffixes over it wherever attention is SDPA, else (for layers that carry
+    state) a copy of the whole cache where it proves exact; batched decoding over attention caches, else each row alone with its own cache."""
     from models.prefix import supports_prefix_reuse
 
     plan = zoo.served.plan
@@ -167,4 +167,6 @@ def test_self_check_keeps_the_fast_paths_that_apply(zoo):
     assert paths["packed_suffixes"].enabled == (key_values and sdpa), paths["packed_suffixes"]
     if not key_values:
         assert paths["whole_cache_prefix"].enabled == (plan.prefix_reuse == "whole_cache")
+    if not plan.stateful_layers:  # attention only: items run from scratch with the rest of the batch
+        assert plan.prefix_reuse != "whole_cache"
     assert all(c.difference is None or c.difference <= TOL for c in paths.values() if c.enabled)
