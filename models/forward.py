@@ -1,4 +1,4 @@
-"""The batched forward pass: sequences packed into one row (padded micro-batches for models that cannot pack), lm_head on the needed positions only."""
+"""The batched forward pass, laid out as the plan says: sequences packed into one row, padded micro-batches, or each alone; lm_head on the needed positions only."""
 
 from __future__ import annotations
 
