@@ -101,7 +101,7 @@ def warm_cache(settings: Settings) -> int:
         # The serving dtype: compiled graphs are cached per dtype.
         loaded = load_model(settings.model, device="cpu", dtype=settings.dtype, cache_dir=settings.cache_dir,
                             compile=True)
-        if not loaded.fast_paths.enabled("compiled_layers"):
+        if not loaded.plan.compiled:
             log.error("the compiled layers of %s did not pass the self-check; nothing to cache", settings.model)
             return 1
         log.info("compiled layers of %s (%s) are cached under %s (load took %.1f s)", settings.model,

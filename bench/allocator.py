@@ -37,15 +37,15 @@ def workload(model_spec: str, rows: int, prompt: int, steps: int) -> dict:
     from models.memory import release_free_memory
 
     loaded = load_model(model_spec, device="cpu", dtype="float32", cache_dir=Path.home() / ".cache" / "genscore")
-    model, pad = loaded.model, loaded.pad_token_id
+    model, pad, plan = loaded.model, loaded.pad_token_id, loaded.plan
     draw = sampler.SamplingParams(temperature=1.0, top_logprobs=5)
     before = _kb("VmRSS")
     started = time.perf_counter()
-    _, batch = prefill(model, [[(31 * i) % 1000 + 5 for i in range(prompt)]], pad)
+    _, batch = prefill(model, plan, [[(31 * i) % 1000 + 5 for i in range(prompt)]], pad)
     batch = select_rows(batch, [0] * rows)
     leave_every = max(steps // max(rows // 2, 1), 1)
     for step in range(steps):
-        logits = decode_step(model, batch, torch.full((batch.size,), 7))
+        logits = decode_step(model, plan, batch, torch.full((batch.size,), 7))
         sampler.sample(logits, [draw] * batch.size, [None] * batch.size)
         sampler.score(logits, [draw] * batch.size)
         if step % leave_every == leave_every - 1 and batch.size > 1:

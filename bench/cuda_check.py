@@ -82,19 +82,19 @@ def main() -> int:
                     [label_ids].cpu()
                     for p, label_ids in zip(prompts[:64], labels[:64])
                 ]
-        got = forward_logits(loaded.model, prompts[:64], loaded.pad_token_id).log_softmax(-1).cpu()
+        got = forward_logits(loaded.model, loaded.plan, prompts[:64], loaded.pad_token_id).log_softmax(-1).cpu()
         errors = torch.stack([(got[i, labels[i]] - reference[i]).abs().max() for i in range(64)])
         entry["err_max"] = errors.max().item()
         entry["err_p95"] = errors.quantile(0.95).item()
         for batch_size in (32, 128):
-            forward_logits(loaded.model, prompts[:batch_size], loaded.pad_token_id)
+            forward_logits(loaded.model, loaded.plan, prompts[:batch_size], loaded.pad_token_id)
             sync(device)
             started = time.perf_counter()
             tokens = 0
             for b in range(args.batches):
                 batch = [prompts[(b * batch_size + i) % len(prompts)] for i in range(batch_size)]
                 tokens += sum(len(s) for s in batch)
-                forward_logits(loaded.model, batch, loaded.pad_token_id)
+                forward_logits(loaded.model, loaded.plan, batch, loaded.pad_token_id)
             sync(device)
             wall = time.perf_counter() - started
             entry[f"batch{batch_size}"] = {"prompts_per_s": args.batches * batch_size / wall,

@@ -30,7 +30,7 @@ def _scoring_pass(loaded, requests, batch: int) -> list[torch.Tensor]:
     out = []
     for start in range(0, len(requests), batch):
         group = requests[start : start + batch]
-        logits = forward_logits(loaded.model, [r.prompts[0] for r in group], loaded.pad_token_id)  # [b, V]
+        logits = forward_logits(loaded.model, loaded.plan, [r.prompts[0] for r in group], loaded.pad_token_id)  # [b, V]
         out += [row.log_softmax(-1)[r.labels] for row, r in zip(logits, group)]
     return out
 
@@ -47,9 +47,9 @@ def _items_pass(loaded, requests, batch: int) -> list[torch.Tensor]:
     out = []
     for start in range(0, len(requests), batch):
         group = requests[start : start + batch]
-        states = prefill_prefixes(loaded.model, [r.query for r in group], loaded.pad_token_id)
+        states = prefill_prefixes(loaded.model, loaded.plan, [r.query for r in group], loaded.pad_token_id)
         rows = [SuffixRow(state, tuple(item)) for state, r in zip(states, group) for item in r.items]
-        logits = head_logits(loaded.model, forward_suffixes(loaded.model, rows, loaded.pad_token_id))  # [n, V]
+        logits = head_logits(loaded.plan, forward_suffixes(loaded.model, loaded.plan, rows, loaded.pad_token_id))  # [n, V]
         labels = [r.labels for r in group for _ in r.items]
         out += [row.log_softmax(-1)[lab] for row, lab in zip(logits, labels)]
     return out

@@ -53,26 +53,26 @@ def run_one(model_spec: str, dtype: str, operation: str, rows: int, tokens: int,
 
     loaded = load_model(model_spec, device="cpu", dtype=dtype, cache_dir=Path.home() / ".cache" / "genscore")
     memory = MemoryModel.of(loaded)
-    model, pad = loaded.model, loaded.pad_token_id
+    model, pad, plan = loaded.model, loaded.pad_token_id, loaded.plan
     vocab = loaded.vocab_size
     ids = lambda n, seed: [(seed * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]  # noqa: E731
     labels = sampler.SamplingParams(label_token_ids=tuple(range(min(1024, vocab))), top_logprobs=20)
-    forward_logits(model, [ids(8, 0)], pad)  # first call pays oneDNN's and SDPA's one-off allocations
+    forward_logits(model, plan, [ids(8, 0)], pad)  # first call pays oneDNN's and SDPA's one-off allocations
     decode_batch = None
     if operation in ("decode", "select"):
-        _, decode_batch = prefill(model, [ids(tokens, 0)], pad)
+        _, decode_batch = prefill(model, plan, [ids(tokens, 0)], pad)
         decode_batch = select_rows(decode_batch, [0] * rows)
-        decode_step(model, select_rows(decode_batch, [0]), torch.tensor([5]))
+        decode_step(model, plan, select_rows(decode_batch, [0]), torch.tensor([5]))
     before = _start_measuring()
     if operation == "forward":
-        logits = forward_logits(model, [ids(tokens, r) for r in range(rows)], pad, [kept] * rows)  # [rows*kept, V]
+        logits = forward_logits(model, plan, [ids(tokens, r) for r in range(rows)], pad, [kept] * rows)  # [rows*kept, V]
         sampler.to_rows(sampler.score(logits, [labels] * logits.shape[0]), [labels] * logits.shape[0])
         estimate = memory.forward_bytes(rows, rows * tokens, rows * kept)
     elif operation == "suffixes":
         prefix_len = 64
-        (state,) = prefix_prefill(model, [ids(prefix_len, 0)], pad)
-        hidden = forward_suffixes(model, [SuffixRow(state, tuple(ids(tokens, r)), 1) for r in range(rows)], pad)
-        logits = head_logits(model, hidden)
+        (state,) = prefix_prefill(model, plan, [ids(prefix_len, 0)], pad)
+        hidden = forward_suffixes(model, plan, [SuffixRow(state, tuple(ids(tokens, r)), 1) for r in range(rows)], pad)
+        logits = head_logits(plan, hidden)
         sampler.to_rows(sampler.score(logits, [labels] * rows), [labels] * rows)
         estimate = memory.forward_bytes(rows, rows * (prefix_len + tokens), rows)
     elif operation == "decode":
@@ -80,7 +80,7 @@ def run_one(model_spec: str, dtype: str, operation: str, rows: int, tokens: int,
         batch = decode_batch
         draw = sampler.SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=20)
         for _ in range(steps):
-            logits = decode_step(model, batch, torch.full((rows,), 5))
+            logits = decode_step(model, plan, batch, torch.full((rows,), 5))
             sampler.sample(logits, [draw] * rows, [None] * rows)
             sampler.score(logits, [draw] * rows)
         # a newcomer joins: the running cache is merged with its one row

@@ -75,7 +75,7 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
 
         def forward_one(body):
             with torch.inference_mode():
-                return forward_logits(loaded.model, [body["query"]], loaded.pad_token_id, keep_last=[1])
+                return forward_logits(loaded.model, loaded.plan, [body["query"]], loaded.pad_token_id, keep_last=[1])
 
         async def forward(body):
             return await on_device(forward_one, body)

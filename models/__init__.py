@@ -2,9 +2,12 @@
 
 from models.forward import forward_logits
 from models.loading import LoadedModel, ModelNotFoundError, load_model, resolve_device, resolve_dtype
+from models.plan import ForwardPlan, PathCheck
 from models.tiny import TINY_ARCHITECTURES, make_tiny_model
 
 __all__ = [
+    "ForwardPlan",
+    "PathCheck",
     "LoadedModel",
     "ModelNotFoundError",
     "TINY_ARCHITECTURES",

@@ -1,16 +1,15 @@
-"""The batched forward pass: sequences packed into one row (padded micro-batches for models that cannot pack), lm_head on the needed positions only."""
+"""The batched forward pass, laid out as the plan says: sequences packed into one row, padded micro-batches, or each alone; lm_head on the needed positions only."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from models.head import head_logits
-from models.invariant import is_batch_invariant
-from models.packed import pack, supports_packing
+from models.packed import pack
+from models.plan import ForwardPlan
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
 # overhead across every layer, plus the lower GEMM efficiency of a smaller call. Tuned on CPU
@@ -22,16 +21,6 @@ CALL_OVERHEAD_TOKENS = 96
 # in cache and element-wise ops slow down. Tuned on CPU (SmolLM2-135M): a batch of 32 short prompts (1223 tokens)
 # runs 9% faster in bfloat16 as one call of 1223 than as 1024 + 199; in float32 a pack of 2048 was slower.
 PACK_TOKENS = 1024
-
-# Models whose padded batches disagreed with their plain forward at load (models/selfcheck.py): each of their
-# sequences runs alone, unpadded, exactly as the plain forward runs it.
-_ONE_AT_A_TIME: weakref.WeakSet = weakref.WeakSet()
-
-
-def run_one_at_a_time(model: PreTrainedModel) -> None:
-    """Make forward_logits run each sequence of `model` alone instead of in padded micro-batches."""
-    _ONE_AT_A_TIME.add(model)
-
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):
     """Left-pad so every sequence ends in the last column; returns ids, mask and position ids, each [B, T]."""
@@ -93,16 +82,30 @@ def plan_packs(lengths: Sequence[int], pack_tokens: int = PACK_TOKENS) -> list[l
     return packs
 
 
+def _alone_hidden(plan: ForwardPlan, sequence: Sequence[int], keep: int, device: torch.device) -> torch.Tensor:
+    """One sequence through the model's own body exactly as its plain forward runs it (no mask, no positions, no
+    cache): the final hidden states of its last `keep` positions, [keep, H]."""
+    input_ids = torch.tensor([list(sequence)], dtype=torch.long, device=device)
+    hidden = plan.body(input_ids=input_ids, use_cache=False).last_hidden_state[0]  # [L, H]
+    if keep <= hidden.shape[0]:
+        return hidden[-keep:]
+    # keep rows even when a caller asks past the sequence's start, as the packed and padded layouts do
+    return hidden[torch.arange(hidden.shape[0] - keep, hidden.shape[0], device=device).clamp_(min=0)]
+
+
 def _picked_hidden(
-    model: PreTrainedModel, sequences: Sequence[Sequence[int]], pad_token_id: int, keep_last: Sequence[int]
+    model: PreTrainedModel, plan: ForwardPlan, sequences: Sequence[Sequence[int]], pad_token_id: int,
+    keep_last: Sequence[int],
 ) -> torch.Tensor:
     """One padded model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
     device = model.device
+    if len(sequences) == 1:
+        return _alone_hidden(plan, sequences[0], keep_last[0], device)
     input_ids, attention_mask, position_ids = pad_left(sequences, pad_token_id, device)
     if len({len(seq) for seq in sequences}) == 1:
         # No padding: without a mask SDPA takes its causal fast path; the numbers are the same.
         attention_mask = None
-    hidden = model.base_model(
+    hidden = plan.body(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state  # [B, T, H]
     width = hidden.shape[1]
@@ -114,7 +117,7 @@ def _picked_hidden(
 
 
 def _packed_hidden(
-    model: PreTrainedModel, sequences: Sequence[Sequence[int]], keep_last: Sequence[int]
+    model: PreTrainedModel, plan: ForwardPlan, sequences: Sequence[Sequence[int]], keep_last: Sequence[int]
 ) -> torch.Tensor:
     """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
     input_ids, position_ids, boundaries = pack(sequences, model.device)
@@ -122,7 +125,7 @@ def _packed_hidden(
     # for layers with a window shorter than the row it builds the row's banded mask, whose diagonal blocks are
     # each prompt's own mask (packed attention reads them).
     no_padding = torch.ones_like(input_ids)
-    hidden = model.base_model(
+    hidden = plan.body(
         input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
         cu_seq_lens_q=boundaries,
     ).last_hidden_state[0]  # [T, H]
@@ -134,6 +137,7 @@ def _packed_hidden(
 @torch.inference_mode()
 def forward_logits(
     model: PreTrainedModel,
+    plan: ForwardPlan,
     sequences: Sequence[Sequence[int]],
     pad_token_id: int,
     keep_last: Sequence[int] | None = None,
@@ -144,28 +148,29 @@ def forward_logits(
     positions oldest first, then sequence 1's, and so on. Sequences are packed back to back
     into rows of about pack_tokens(model) tokens, attention kept inside each sequence (models/packed.py),
     so no compute goes to padding; a model that cannot pack runs padded micro-batches of
-    similar length instead (see plan_micro_batches). Each row's numbers do not depend on its
-    neighbours beyond float rounding; on a batch-invariant model (models/invariant.py) not at all: a packed
+    similar length instead (see plan_micro_batches), and one whose padded batches are not proven runs each
+    sequence alone through its own forward (plan.layout says which). Each row's numbers do not depend on its
+    neighbours beyond float rounding; on a batch-invariant plan (models/invariant.py) not at all: a packed
     prompt sees the same kernels as alone, and a model that cannot pack runs each sequence alone, since a
     padded layout changes the order attention sums in. lm_head runs once, on the N kept hidden states only:
     at V = 49k it would otherwise dominate the cost.
     """
     keep = [1] * len(sequences) if keep_last is None else list(keep_last)
-    if supports_packing(model):
+    if plan.layout == "packed":
         packs = plan_packs([len(seq) for seq in sequences], pack_tokens(model))
         # Packs keep the caller's order, so their kept rows concatenate straight into the result's order.
         picked = torch.cat([
-            _packed_hidden(model, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
+            _packed_hidden(model, plan, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
         ])  # [N, H]
-        return head_logits(model, picked)
-    if model in _ONE_AT_A_TIME or is_batch_invariant(model):
+        return head_logits(plan, picked)
+    if plan.layout == "one_at_a_time" or plan.batch_invariant:
         groups = [[i] for i in range(len(sequences))]
     else:
         groups = plan_micro_batches([len(seq) for seq in sequences])
     if len(groups) == 1:
-        return head_logits(model, _picked_hidden(model, sequences, pad_token_id, keep))
+        return head_logits(plan, _picked_hidden(model, plan, sequences, pad_token_id, keep))
     parts = [
-        _picked_hidden(model, [sequences[i] for i in group], pad_token_id, [keep[i] for i in group])
+        _picked_hidden(model, plan, [sequences[i] for i in group], pad_token_id, [keep[i] for i in group])
         for group in groups
     ]  # each [sum(keep over group), H], groups in planned order
     picked = torch.cat(parts)  # [N, H], planned order
@@ -177,4 +182,4 @@ def forward_logits(
         starts[i] = offset
         offset += keep[i]
     restore = torch.cat([torch.arange(starts[i], starts[i] + keep[i]) for i in range(len(sequences))])
-    return head_logits(model, picked[restore.to(picked.device)])
+    return head_logits(plan, picked[restore.to(picked.device)])

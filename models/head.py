@@ -1,17 +1,18 @@
 """The model's own output head: final hidden states -> logits through the CausalLM forward's own code (lm_head and
-whatever the architecture does after it: soft-capping, logit scaling, ...), never a re-implementation of it."""
+whatever the architecture does after it: soft-capping, logit scaling, multipliers, ...), never a re-implementation."""
 
 from __future__ import annotations
 
 import copy
-import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-from models.invariant import is_batch_invariant, tiled_head
+if TYPE_CHECKING:
+    from models.plan import ForwardPlan
 
 
 class _BodyOutput(BaseModelOutputWithPastAndCrossAttentions):
@@ -24,65 +25,51 @@ class _BodyOutput(BaseModelOutputWithPastAndCrossAttentions):
         return None
 
 
-class _GivenHidden(nn.Module):
-    """Stands in for the decoder body: returns the hidden states it is handed as `inputs_embeds`."""
-
-    def forward(self, *_: object, inputs_embeds: torch.Tensor, **__: object) -> _BodyOutput:
-        return _BodyOutput(last_hidden_state=inputs_embeds)
+def given_hidden(*_: object, inputs_embeds: torch.Tensor, **__: object) -> _BodyOutput:
+    """The stand-in body's forward: the hidden states it is handed as `inputs_embeds`, as the body's output."""
+    return _BodyOutput(last_hidden_state=inputs_embeds)
 
 
-# model -> {batch-invariant?: a shallow copy of it whose body is _GivenHidden}; built once per model and mode,
-# shares every other module
-_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> the module its (not batch-invariant) view runs in place of lm_head: a pre-packed copy (models/prepack.py)
-_HEAD_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _stand_in(body: nn.Module) -> nn.Module:
+    """A shallow copy of the body whose forward returns what it is handed: every attribute the CausalLM's forward
+    reads from its body (a logit multiplier, a config) is still there, and no weight is copied."""
+    stand_in = copy.copy(body)
+    for name, value in vars(body).items():
+        if name.endswith("_hooks") or "_hooks_" in name:
+            # its own empty hook tables: a hook on the body must not fire when the head runs
+            object.__setattr__(stand_in, name, type(value)())
+    stand_in.forward = given_hidden
+    return stand_in
 
 
-def set_head_linear(model: PreTrainedModel, linear: nn.Module | None) -> None:
-    """Make head_logits run `linear` in place of the model's lm_head (None: lm_head itself again).
+def build_head(model: PreTrainedModel, body: nn.Module, lm_head: nn.Module | None = None) -> PreTrainedModel:
+    """A view of `model` that runs only what its forward does after `body`, on hidden states it is given.
 
-    Only the view changes: the model's own lm_head, often tied to its input embeddings, stays in place.
+    A copy, not a swap on the model itself: the body stays in place for every other caller, and the view shares
+    lm_head, config and any scale parameters with the model. Each module on the path to the body is copied with a
+    fresh child dict, so replacing the body touches none of the model's own. `lm_head`: a module to run in place
+    of the model's lm_head in the view (a pre-packed or row-tiled copy); the model's own stays as it is.
     """
-    if linear is None:
-        _HEAD_LINEARS.pop(model, None)
-    else:
-        _HEAD_LINEARS[model] = linear
-    _HEADS.pop(model, None)  # views are rebuilt around it
-
-
-def head_linear(model: PreTrainedModel) -> nn.Module | None:
-    """The module set_head_linear put in place of the model's lm_head, if any (its weights are held on top)."""
-    return _HEAD_LINEARS.get(model)
-
-
-def _head_view(model: PreTrainedModel) -> PreTrainedModel:
-    """A view of `model` that runs only what its forward does after the body, on hidden states it is given.
-
-    A copy, not a swap on the model itself: the model's body stays in place for every other caller, and the
-    view shares lm_head, config and any scale parameters with it (no weights are copied). For a batch-invariant
-    model the view's lm_head runs in fixed row tiles (models/invariant.py); otherwise the view runs the module
-    set_head_linear gave it, if any. The model's own lm_head stays as it is.
-    """
-    invariant = is_batch_invariant(model)
-    views = _HEADS.setdefault(model, {})
-    head = views.get(invariant)
-    if head is None:
-        lm_head = model.get_output_embeddings()
-        head = copy.copy(model)
-        head._modules = dict(model._modules)  # a new dict: replacing the body must not touch the model's own
+    own_head = model.get_output_embeddings()
+    path = next(name for name, module in model.named_modules() if module is body).split(".")
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    parent = view
+    for name in path[:-1]:
+        child = copy.copy(parent._modules[name])
+        child._modules = dict(child._modules)
+        parent._modules[name] = child
+        parent = child
+    parent._modules[path[-1]] = _stand_in(body)
+    if lm_head is not None:
         for name, child in model.named_children():
-            if child is model.base_model:
-                head._modules[name] = _GivenHidden()
-            elif child is lm_head and invariant:
-                head._modules[name] = tiled_head(child)
-            elif child is lm_head and model in _HEAD_LINEARS:
-                head._modules[name] = _HEAD_LINEARS[model]
-        views[invariant] = head
-    return head
+            if child is own_head:
+                view._modules[name] = lm_head
+    return view
 
 
 @torch.inference_mode()
-def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(plan: ForwardPlan, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] -> float32 logits [N, V], exactly the numbers the model's forward gives for those positions."""
-    logits = _head_view(model)(inputs_embeds=hidden[None], use_cache=False).logits  # [1, N, V]
+    logits = plan.head(inputs_embeds=hidden[None], use_cache=False).logits  # [1, N, V]
     return logits[0].float()

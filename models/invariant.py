@@ -3,8 +3,6 @@ rows share its call; which models run that way, and the load-time proof that a b
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -24,16 +22,6 @@ HEAD_TILE_SIZES = (256, 128, 64, 32)
 # A tile may be padded to at most this share of zero rows before smaller tiles are used instead; fewer, larger
 # calls are faster per row (3-10x from 32 to 1024 rows on the default model's shapes).
 MAX_PADDING = 0.5
-
-# Models whose forward passes run batch-invariant (make_batch_invariant): fixed-row linears, and callers in
-# models/ lay out each sequence in a shape that does not depend on its neighbours.
-_INVARIANT: weakref.WeakSet = weakref.WeakSet()
-
-
-def is_batch_invariant(model: PreTrainedModel) -> bool:
-    """Whether `model` was made batch-invariant (make_batch_invariant)."""
-    return model in _INVARIANT
-
 
 def tile_plan(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     """(start, tile size) of each tile covering `rows` rows, from `sizes` (descending, all summing the same way)."""
@@ -123,23 +111,16 @@ def _wrap_row_wise(root: nn.Module, dtype: torch.dtype, device: torch.device) ->
     return wrapped
 
 
-def make_batch_invariant(model: PreTrainedModel) -> None:
-    """Run every row-wise layer of the decoder body in fixed row tiles and mark `model` batch-invariant.
+def make_batch_invariant(model: PreTrainedModel, body: nn.Module) -> nn.Module:
+    """Run every row-wise layer of the decoder body in fixed row tiles; returns lm_head run in its own fixed tiles.
 
-    The output head is tiled in the head's own view (models/head.py, tiled_head), so the model's lm_head is left
-    alone; its tile sizes are found here, once.
+    The model's lm_head is left alone: the returned module runs in the head's view (models/head.py build_head),
+    with tile sizes found here, once. A plan marked batch_invariant then lays out each sequence in a shape that
+    does not depend on its neighbours (models/forward.py, models/prefix.py).
     """
-    _wrap_row_wise(model.base_model, model.dtype, model.device)
+    _wrap_row_wise(body, model.dtype, model.device)
     head = model.get_output_embeddings()
+    sizes = (HEAD_TILE_SIZES[-1],)
     if type(head) in _ROW_WISE:
-        _HEAD_SIZES[head] = _agreeing_sizes(head, HEAD_TILE_SIZES, model.dtype, model.device)
-    _INVARIANT.add(model)
-
-
-# lm_head -> the tile sizes it may use (make_batch_invariant)
-_HEAD_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def tiled_head(lm_head: nn.Module) -> nn.Module:
-    """lm_head run in the fixed row tiles make_batch_invariant found for it."""
-    return RowTiledLinear(lm_head, _HEAD_SIZES.get(lm_head, (HEAD_TILE_SIZES[-1],)))
+        sizes = _agreeing_sizes(head, HEAD_TILE_SIZES, model.dtype, model.device)
+    return RowTiledLinear(head, sizes)

@@ -15,8 +15,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.cpu_features import native_bfloat16_missing
-from models.prefix import supports_prefix_reuse
-from models.selfcheck import NOT_PLAIN_ATTENTION, FastPaths, PathCheck, install_fast_paths
+from models.plan import ForwardPlan
+from models.selfcheck import install_fast_paths, plain_plan
 
 log = logging.getLogger("genscore.models")
 
@@ -52,13 +52,13 @@ class LoadedModel:
     max_length: int  # longest sequence the model accepts
     pad_token_id: int
     load_seconds: float
-    # which fast paths are on (models/selfcheck.py); a model loaded plain has none but may reuse prefixes
-    fast_paths: FastPaths = FastPaths()
+    # every fast-path decision (models/plan.py): made by the self-check, or the plain path when loaded plain
+    plan: ForwardPlan
 
     @property
     def shares_prefixes(self) -> bool:
-        """Whether shared-prefix key/value reuse gives this model's numbers (checked at load, or plain attention)."""
-        return self.fast_paths.enabled("shared_prefix")
+        """Whether a shared prefix is computed once and reused (proven at load)."""
+        return self.plan.shares_prefixes
 
 
 def resolve_device(device: str) -> torch.device:
@@ -165,7 +165,7 @@ def load_model(
     linear weights on CPU (models/prepack.py), packed-sequence attention (models/packed.py), shared-prefix
     reuse. False leaves the model exactly as transformers loads it.
     batch_invariant (with optimize): a request's numbers are bit-identical alone and in any batch
-    (models/invariant.py), proven at load; `fast_paths.batch_invariant` says whether it held.
+    (models/invariant.py), proven at load; `plan.batch_invariant` says whether it held.
     compile (with optimize): compile the decoder layers for packed scoring calls (models/compiled.py), inductor's
     cache under cache_dir; the `compiled_layers` fast path says whether it held.
     """
@@ -193,11 +193,10 @@ def load_model(
     if optimize:
         # Last: the fast paths change modules in place, and nothing may move or re-cast the model after them.
         probe_vocab = min(vocab_size, model.get_input_embeddings().weight.shape[0])
-        fast_paths = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id), batch_invariant,
-                                        compile, cache_dir)
+        plan = install_fast_paths(model, probe_vocab, max_length, int(pad_token_id), batch_invariant, compile,
+                                  cache_dir)
     else:
-        reuse = supports_prefix_reuse(model)
-        fast_paths = FastPaths((PathCheck("shared_prefix", reuse, None, "" if reuse else NOT_PLAIN_ATTENTION),))
+        plan = plain_plan(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -207,7 +206,7 @@ def load_model(
         max_length=max_length,
         pad_token_id=int(pad_token_id),
         load_seconds=time.perf_counter() - started,
-        fast_paths=fast_paths,
+        plan=plan,
     )
 
 

@@ -86,18 +86,18 @@ class MemoryModel:
     def of(cls, loaded) -> MemoryModel:
         """From a models.loading.LoadedModel: its config for the shapes, its tensors for the weights."""
         from models.forward import pack_tokens
-        from models.head import head_linear
 
         config = loaded.model.config
         config = getattr(config, "text_config", None) or config
         hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
         layers = _config_int(config, "num_hidden_layers", "n_layer", "num_layers")
-        heads = _config_int(config, "num_attention_heads", "n_head")
+        # a model without attention (state-space only) names no heads: count one, a small overestimate
+        heads = _config_int(config, "num_attention_heads", "n_head") or 1
         kv_heads = _config_int(config, "num_key_value_heads", "multi_query_group_num") or heads
         head_dim = _config_int(config, "head_dim") or hidden // heads
         intermediate = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
         element = torch.empty((), dtype=loaded.dtype).element_size()
-        head = head_linear(loaded.model)  # the head view's packed lm_head, held on top of the model's tensors
+        head = loaded.plan.held_head  # the head view's packed lm_head, held on top of the model's tensors
         return cls(
             weights_bytes=_tensor_bytes(loaded.model) + (0 if head is None else _tensor_bytes(head)),
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
@@ -106,7 +106,7 @@ class MemoryModel:
             intermediate_size=intermediate,
             vocab_size=loaded.vocab_size,
             element_bytes=element,
-            pack_tokens=pack_tokens(loaded.model) if loaded.fast_paths.enabled("packed_batches") else 0,
+            pack_tokens=pack_tokens(loaded.model) if loaded.plan.layout == "packed" else 0,
         )
 
     def logits_bytes(self, kept: int) -> int:

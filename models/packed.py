@@ -151,16 +151,13 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
 
 
 def use_packed_attention(model: PreTrainedModel) -> bool:
-    """Switch an SDPA model to the packing-aware implementation (same numbers unpacked); False if it is not SDPA."""
+    """Switch an SDPA model to the packing-aware implementation (same numbers unpacked); False if it is not SDPA.
+
+    Whether calls are then packed is the plan's decision (models/plan.py layout), made by the self-check."""
     if model.config._attn_implementation != "sdpa":
         return False
     model.set_attn_implementation(PACKED_ATTENTION)
     return True
-
-
-def supports_packing(model: PreTrainedModel) -> bool:
-    """Whether forward passes of `model` may be packed (use_packed_attention switched it)."""
-    return model.config._attn_implementation == PACKED_ATTENTION
 
 
 def pack(sequences: list[list[int]], device: torch.device):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,18 +9,16 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from models.body import cache_kwarg
 from models.forward import pack_tokens, pad_left, plan_packs
-from models.invariant import is_batch_invariant
-from models.packed import PACKED_ATTENTION, PAST_SPANS, pack, supports_packing
+from models.packed import PACKED_ATTENTION, PAST_SPANS, pack
+from models.plan import ForwardPlan
 
 # On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
 # suffixes of the same prefix and padded width, so the shape its attention and linears see is its own.
 SUFFIX_BUCKET_TOKENS = 16
 # Attention implementations that read a boolean 4D mask as given (True: attend), which packed suffixes need.
 _BOOLEAN_MASK_ATTENTION = ("sdpa", PACKED_ATTENTION)
-
-# Models whose suffixes run packed (use_packed_suffixes, after the load-time self-check agreed).
-_PACKED_SUFFIXES: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -82,12 +78,6 @@ class _PrefixLayer(DynamicLayer):
         return keys, values
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    """transformers 5.x renamed `past_key_values` to `cache`; pass whichever this version's forward takes."""
-    params = inspect.signature(model.base_model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def supports_prefix_reuse(model: PreTrainedModel) -> bool:
     """True when the model's cache is plain full attention (no sliding window, no linear or recurrent layers).
 
@@ -130,26 +120,30 @@ class _Segments:
 
 
 @torch.inference_mode()
-def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
+def prefill_prefixes(model: PreTrainedModel, plan: ForwardPlan, prefixes: Sequence[Sequence[int]], pad_token_id: int) -> list[PrefixState]:
     """Run each prefix once and keep its key/value states and last hidden state: packed back to back in one call
     where the model packs (models/packed.py), else left-padded together (alone on a batch-invariant model, where
     the padding would change the order attention sums in)."""
-    if is_batch_invariant(model) and len(prefixes) > 1:
-        return [state for prefix in prefixes for state in prefill_prefixes(model, [prefix], pad_token_id)]
+    if plan.prefix_reuse == "whole_cache":
+        from models.cache_reuse import prefill_whole  # it builds on this module's rows
+
+        return [prefill_whole(plan, prefix, model.device) for prefix in prefixes]
+    if plan.batch_invariant and len(prefixes) > 1:
+        return [state for prefix in prefixes for state in prefill_prefixes(model, plan, [prefix], pad_token_id)]
     device = model.device
     cache = DynamicCache(config=model.config)
-    if supports_packing(model):
+    if plan.layout == "packed":
         input_ids, position_ids, boundaries = pack(prefixes, device)
-        hidden = model.base_model(
+        hidden = plan.body(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
-            use_cache=True, cu_seq_lens_q=boundaries, **{_cache_kwarg(model): cache},
+            use_cache=True, cu_seq_lens_q=boundaries, **{cache_kwarg(plan.body): cache},
         ).last_hidden_state[0]  # [sum of lengths, H]
         spans = list(zip(boundaries[:-1].tolist(), boundaries[1:].tolist()))  # each prefix's [start, end)
         return [_kept_prefix(tokens, cache, 0, start, end, hidden[end - 1]) for tokens, (start, end) in zip(prefixes, spans)]
     input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
-    hidden = model.base_model(
+    hidden = plan.body(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=True, **{_cache_kwarg(model): cache},
+        use_cache=True, **{cache_kwarg(plan.body): cache},
     ).last_hidden_state  # [G, T, H]
     width = input_ids.shape[1]
     # each row's real tokens sit at its right end
@@ -157,20 +151,20 @@ def prefill_prefixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], 
 
 
 @torch.inference_mode()
-def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[int]],
+def prefill_with_suffixes(model: PreTrainedModel, plan: ForwardPlan, prefixes: Sequence[Sequence[int]],
                           rows: Sequence[tuple[int, Sequence[int], int]], pad_token_id: int
                           ) -> tuple[list[PrefixState], torch.Tensor]:
     """Prefill `prefixes` and run the suffixes that hang off them: the prefixes' states, and the kept hidden states
     of each (prefix index, suffix, keep) row, row after row, [sum keep, H], as forward_suffixes over those states.
 
-    Where suffixes run packed (use_packed_suffixes), a prefix and the suffixes that fit after it in pack_tokens(model)
+    Where suffixes run packed (plan.packed_suffixes), a prefix and the suffixes that fit after it in pack_tokens(model)
     run in the same call (_prefix_and_suffixes_pass), one model call instead of two; the rest run over its states. A
     prefix after which none fits (a query longer than a call) is prefilled alone, without the mask a shared call
     needs.
     """
-    if model not in _PACKED_SUFFIXES or is_batch_invariant(model) or not supports_packing(model):
-        states = prefill_prefixes(model, prefixes, pad_token_id)
-        return states, forward_suffixes(model, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], pad_token_id)
+    if not plan.packed_suffixes or plan.batch_invariant or plan.layout != "packed":
+        states = prefill_prefixes(model, plan, prefixes, pad_token_id)
+        return states, forward_suffixes(model, plan, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], pad_token_id)
     for _, suffix, keep in rows:
         _check_keep(len(suffix), keep)
     budget = pack_tokens(model)
@@ -187,25 +181,25 @@ def prefill_with_suffixes(model: PreTrainedModel, prefixes: Sequence[Sequence[in
     blocks: list[torch.Tensor | None] = [None] * len(rows)
     bare = [p for p in range(len(prefixes)) if not along[p]]  # no suffix fits after it: a plain prefill, no mask
     if bare:
-        for p, state in zip(bare, prefill_prefixes(model, [prefixes[p] for p in bare], pad_token_id)):
+        for p, state in zip(bare, prefill_prefixes(model, plan, [prefixes[p] for p in bare], pad_token_id)):
             states[p] = state
     dressed = [p for p in range(len(prefixes)) if along[p]]
     for call in plan_packs([sizes[p] for p in dressed], budget):
         call = [dressed[c] for c in call]
-        called = _prefix_and_suffixes_pass(model, [prefixes[p] for p in call], [[rows[i] for i in along[p]] for p in call])
+        called = _prefix_and_suffixes_pass(model, plan, [prefixes[p] for p in call], [[rows[i] for i in along[p]] for p in call])
         for p, (state, hidden) in zip(call, called):
             states[p] = state
             for i, block in zip(along[p], hidden.split([rows[i][2] for i in along[p]])):
                 blocks[i] = block
     if later:
-        hidden = forward_suffixes(model, [SuffixRow(states[rows[i][0]], tuple(rows[i][1]), rows[i][2]) for i in later],
+        hidden = forward_suffixes(model, plan, [SuffixRow(states[rows[i][0]], tuple(rows[i][1]), rows[i][2]) for i in later],
                                   pad_token_id)
         for i, block in zip(later, hidden.split([rows[i][2] for i in later])):
             blocks[i] = block
     return states, torch.cat(blocks) if blocks else torch.empty(0)
 
 
-def _prefix_and_suffixes_pass(model: PreTrainedModel, prefixes: Sequence[Sequence[int]],
+def _prefix_and_suffixes_pass(model: PreTrainedModel, plan: ForwardPlan, prefixes: Sequence[Sequence[int]],
                               suffixes: Sequence[Sequence[tuple[int, Sequence[int], int]]]
                               ) -> list[tuple[PrefixState, torch.Tensor]]:
     """Prefixes and their suffixes (each (_, suffix, keep)) in one packed call, each prefix followed by its suffixes:
@@ -231,11 +225,11 @@ def _prefix_and_suffixes_pass(model: PreTrainedModel, prefixes: Sequence[Sequenc
     segments = _Segments(lengths, spans, positions)
     device = model.device
     cache = DynamicCache(config=model.config)
-    hidden = model.base_model(
+    hidden = plan.body(
         input_ids=torch.tensor(tokens, dtype=torch.long)[None].to(device),
         attention_mask=segments.mask(0)[None, None].to(device), position_ids=segments.positions[None].to(device),
         use_cache=True, cu_seq_lens_q=segments.boundaries, **{PAST_SPANS: segments.spans},
-        **{_cache_kwarg(model): cache},
+        **{cache_kwarg(plan.body): cache},
     ).last_hidden_state[0]  # [T, H]
     bounds = segments.boundaries.tolist()  # segment i is bounds[i]:bounds[i + 1]
     out = []
@@ -275,24 +269,16 @@ def can_pack_suffixes(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation in _BOOLEAN_MASK_ATTENTION
 
 
-def use_packed_suffixes(model: PreTrainedModel, on: bool = True) -> None:
-    """Run forward_suffixes of `model` packed (_packed_suffix_pass), or (on=False) one padded row per suffix."""
-    if on:
-        _PACKED_SUFFIXES.add(model)
-    else:
-        _PACKED_SUFFIXES.discard(model)
-
-
 def _check_keep(suffix_length: int, keep: int) -> None:
     if not 1 <= keep <= suffix_length + 1:
         raise ValueError(f"keep must be in [1, len(suffix) + 1], got {keep} for {suffix_length} tokens")
 
 
 @torch.inference_mode()
-def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int) -> torch.Tensor:
+def forward_suffixes(model: PreTrainedModel, plan: ForwardPlan, rows: Sequence[SuffixRow], pad_token_id: int) -> torch.Tensor:
     """Hidden states of the kept positions of every row, stacked row after row, oldest first: [N, H].
 
-    Rows may hang off different prefixes. Packed (use_packed_suffixes): the suffixes of one prefix lie back to back
+    Rows may hang off different prefixes. Packed (plan.packed_suffixes): the suffixes of one prefix lie back to back
     in one sequence after it (_packed_suffix_pass). Otherwise one row per suffix: prefixes are left-padded to the
     longest (padding masked out); suffixes are right-padded after them, so a real token never sees a pad and
     its position id is simply prefix length + offset, the position it has in a plain pass.
@@ -301,23 +287,27 @@ def forward_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_toke
     """
     for row in rows:
         _check_keep(len(row.suffix), row.keep)
-    if not is_batch_invariant(model):
-        if model in _PACKED_SUFFIXES:
-            return _packed_suffixes(model, rows)
-        return _suffix_pass(model, rows, pad_token_id)
+    if plan.prefix_reuse == "whole_cache":
+        from models.cache_reuse import suffix_hidden  # it builds on this module's rows
+
+        return _kept_states(rows, [suffix_hidden(plan, row.prefix, row.suffix, model.device) for row in rows])
+    if not plan.batch_invariant:
+        if plan.packed_suffixes:
+            return _packed_suffixes(model, plan, rows)
+        return _suffix_pass(model, plan, rows, pad_token_id)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, row in enumerate(rows):
         width = -(-len(row.suffix) // SUFFIX_BUCKET_TOKENS) * SUFFIX_BUCKET_TOKENS
         groups.setdefault((id(row.prefix), width), []).append(i)
     blocks: list[torch.Tensor | None] = [None] * len(rows)
     for (_, width), members in groups.items():
-        hidden = _suffix_pass(model, [rows[i] for i in members], pad_token_id, width)  # [sum of keep, H]
+        hidden = _suffix_pass(model, plan, [rows[i] for i in members], pad_token_id, width)  # [sum of keep, H]
         for i, block in zip(members, hidden.split([rows[i].keep for i in members])):
             blocks[i] = block
     return torch.cat(blocks)
 
 
-def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id: int,
+def _suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequence[SuffixRow], pad_token_id: int,
                  suffix_width: int | None = None) -> torch.Tensor:
     """forward_suffixes in one model call, suffixes right-padded to suffix_width (default: the longest)."""
     device = model.device
@@ -353,9 +343,9 @@ def _suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow], pad_token_id
                          _stack_prefixes(prefixes, i, lambda s: s.values), row_prefix)
             for i in range(n_layers)
         ]
-        hidden = model.base_model(
+        hidden = plan.body(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device), use_cache=True, **{_cache_kwarg(model): cache},
+            position_ids=position_ids.to(device), use_cache=True, **{cache_kwarg(plan.body): cache},
         ).last_hidden_state  # [B, S, H]
 
     return _kept_states(rows, [None if hidden is None else hidden[b, : len(row.suffix)] for b, row in enumerate(rows)])
@@ -375,7 +365,7 @@ def _kept_states(rows: Sequence[SuffixRow], suffix_states: Sequence[torch.Tensor
     return torch.cat(picked, dim=0)
 
 
-def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
+def _packed_suffixes(model: PreTrainedModel, plan: ForwardPlan, rows: Sequence[SuffixRow]) -> torch.Tensor:
     """forward_suffixes packed: rows grouped by prefix, in calls of up to pack_tokens(model) suffix tokens each. A
     call may hold the suffixes of several prefixes (the queries of a batch share its linears)."""
     groups: dict[int, list[int]] = {}
@@ -385,13 +375,13 @@ def _packed_suffixes(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch
     blocks: list[torch.Tensor | None] = [None] * len(rows)
     for call in plan_packs([len(rows[i].suffix) for i in order], pack_tokens(model)):
         call = [order[c] for c in call]
-        hidden = _packed_suffix_pass(model, [rows[i] for i in call])
+        hidden = _packed_suffix_pass(model, plan, [rows[i] for i in call])
         for i, block in zip(call, hidden.split([rows[i].keep for i in call])):
             blocks[i] = block
     return torch.cat(blocks)
 
 
-def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> torch.Tensor:
+def _packed_suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequence[SuffixRow]) -> torch.Tensor:
     """Rows in one model call, those of one prefix next to each other: their suffixes back to back after the states
     of their prefixes (laid one after another), [sum keep, H].
 
@@ -421,13 +411,13 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
             for i in range(len(prefixes[0].keys))
         ]
         packing = {}
-        if supports_packing(model):
+        if plan.layout == "packed":
             # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
             packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans}
-        hidden = model.base_model(
+        hidden = plan.body(
             input_ids=input_ids.to(device), attention_mask=segments.mask(past)[None, None].to(device),  # [1, 1, T, past + T]
             position_ids=segments.positions[None].to(device), use_cache=True,
-            **{_cache_kwarg(model): cache}, **packing,
+            **{cache_kwarg(plan.body): cache}, **packing,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
 

@@ -74,7 +74,7 @@ def packing_unavailable(model: PreTrainedModel) -> str | None:
     return _kernel_error(model.dtype)
 
 
-def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Linear]]:
+def prepack_linears(model: PreTrainedModel, body: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """Swap each nn.Linear of the decoder body for a PrepackedLinear; returns the swaps, for restore_linears.
 
     CPU, float32 or bfloat16 only (packing_unavailable; a WARNING says why not). lm_head is not swapped here: its
@@ -87,7 +87,7 @@ def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Lin
                         str(model.dtype).removeprefix("torch."), reason)
         return []
     swaps = []
-    for module in model.base_model.modules():
+    for module in body.modules():
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PrepackedLinear(child))
@@ -96,7 +96,7 @@ def prepack_linears(model: PreTrainedModel) -> list[tuple[nn.Module, str, nn.Lin
 
 
 def prepacked_head(model: PreTrainedModel) -> PrepackedLinear | None:
-    """A pre-packed copy of the model's lm_head, for its head view (models/head.py set_head_linear); None when
+    """A pre-packed copy of the model's lm_head, for its head view (models/head.py build_head); None when
     lm_head is not a plain nn.Linear or the packed kernel does not apply (packing_unavailable).
 
     A copy: a tied lm_head shares its matrix with the input embeddings, which stay plain, so the largest matrix

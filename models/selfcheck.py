@@ -3,20 +3,23 @@ sequences longer than the model's smallest attention window; a path that disagre
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from models.body import find_body, returned_cache
+from models.cache_reuse import stateful_layers
 from models.compiled import compile_layers, uncompile_layers
-from models.forward import forward_logits, run_one_at_a_time
-from models.head import head_logits, set_head_linear
+from models.decoding import decode_step, prefill
+from models.forward import forward_logits
+from models.head import build_head, head_logits
 from models.invariant import make_batch_invariant
-from models.packed import supports_packing, use_packed_attention
+from models.packed import use_packed_attention
+from models.plan import ForwardPlan, PathCheck
 from models.prefix import (
     SuffixRow,
     can_pack_suffixes,
@@ -24,30 +27,20 @@ from models.prefix import (
     prefill_prefixes,
     prefill_with_suffixes,
     supports_prefix_reuse,
-    use_packed_suffixes,
 )
 from models.prepack import prepack_linears, prepacked_head, restore_linears
+from models.probe import TOLERANCE, Probe, check_path, logprob_error, make_probe, plain_logits
 
 log = logging.getLogger("genscore.models")
 
-# How far a fast path may move the numbers from the plain forward's. A path that drops part of the model's math
-# (a window, a logit scale) moves them by whole nats (0.3 to 17 on the conformance zoo); a path that only
-# reorders sums moves them by rounding, and the tolerance sits well above that and far below the former.
-# float32: the largest |logprob difference| over every token. Rounding alone reaches 1.3e-4 on Gemma-3-270M
-# (logits near 50 over a 262k vocabulary), where the plain forward itself moves by 8e-5 between asking for
-# the last few positions' logits and asking for all of them; so 1e-3 here, while the tests hold what a request
-# returns to 1e-4. Half precision rounds every intermediate result and moves single logprobs by up to ~0.5
-# nats (SmolLM2-135M in bfloat16): there the measure is the expected |logprob difference| under the plain
-# forward's distribution at the worst position (0.07 on SmolLM2-135M's correct paths).
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
-# Extra tokens past the smallest attention window in the long probe, and its length when there is no window.
-_PAST_WINDOW = 24
-_NO_WINDOW_LENGTH = 40
-# Cap on the long probe: a model with a 4096-token window would otherwise need minutes of CPU per check. Windows
-# up to ~1000 tokens are crossed by the probe; past that the check runs the paths without crossing one.
-_MAX_PROBE_LENGTH = 1024
 # Why shared-prefix reuse does not apply: sliding-window or recurrent caches drop or transform states.
 NOT_PLAIN_ATTENTION = "the model's cache is not plain full attention"
+# Shared-prefix reuse through a copy of the model's whole cache, where key/value reuse does not apply.
+WHOLE_CACHE_PREFIX = "whole_cache_prefix"
+# Why an attention-only model whose cache is not plain full attention (sliding windows, chunks) reuses no prefix:
+# its items run from scratch in the batch's packed or padded calls, which beats one copy of the cache per item
+# unless the shared query is long.
+RUNS_FROM_SCRATCH = "no layer carries state: items run from scratch with the rest of the batch"
 # Why suffixes over a shared prefix run one padded row each instead of packed (models/prefix.py).
 UNPACKED_WHEN_INVARIANT = "batch-invariant: suffixes run in fixed-width rows of their own"
 NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suffixes' boolean mask"
@@ -61,140 +54,193 @@ COMPILE_NOT_REQUESTED = "not requested (--compile)"
 NOT_COMPILED_WHEN_INVARIANT = "batch-invariant: compiled kernels are not proven to keep a row's bits"
 COMPILE_NEEDS_PACKING = "compiled layers run packed calls, and this model's calls are not packed"
 COMPILE_CPU_ONLY = "compiled layers are measured on CPU only"
+# Why packing and batched decoding are off for a model whose layers carry state from one position to the next
+# (recurrent, convolution, linear attention): packed sequences would run into each other, and those states cannot
+# be re-laid out in a shared key/value cache.
+CARRIES_STATE = "layers carry state across positions"
+# Why whole-cache reuse and cached decoding are off for a model whose forward hands back no cache object.
+NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back no cache"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
-             NOT_COMPILED_WHEN_INVARIANT)
+             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
 
-@dataclass(frozen=True)
-class PathCheck:
-    """One fast path's verdict: on or off, its largest difference from the plain forward, and why it is off."""
-
-    name: str
-    enabled: bool
-    difference: float | None
-    reason: str = ""
+class PlainForwardError(RuntimeError):
+    """The model's own forward fails on a plain sequence: nothing can serve it."""
 
 
-@dataclass(frozen=True)
-class FastPaths:
-    """What the self-check decided for a model: each path's verdict, the tolerance it was held to, its cost."""
-
-    checks: tuple[PathCheck, ...] = ()
-    tolerance: float | None = None
-    seconds: float = 0.0
-
-    def enabled(self, name: str) -> bool:
-        return any(check.name == name and check.enabled for check in self.checks)
-
-    @property
-    def batch_invariant(self) -> bool:
-        """Whether every scoring path gives a row the same bits alone as in any batch (checked at load)."""
-        return self.enabled(BATCH_INVARIANT)
-
-    def as_dict(self) -> dict:
-        return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3),
-                "paths": [asdict(check) for check in self.checks]}
+def _failed(name: str, stage: str, exc: Exception) -> PathCheck:
+    """A path whose installing or probing raised: off, with the error."""
+    return PathCheck(name, False, None, f"{stage} raised {type(exc).__name__}: {exc}")
 
 
-def smallest_window(model: PreTrainedModel) -> int | None:
-    """The shortest span any attention layer sees (sliding window or attention chunk), if the config sets one."""
-    config = model.config.get_text_config()
-    spans = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "window_size")]
-    spans = [span for span in spans if isinstance(span, int) and span > 0]
-    return min(spans) if spans else None
+class _Checker:
+    """The self-check's state: the probe, the plain forward's numbers on it, and the plan as it grows."""
+
+    def __init__(self, model: PreTrainedModel, plan: ForwardPlan, probe: Probe, reference: torch.Tensor,
+                 plain_hidden: torch.Tensor, tolerance: float, pad_token_id: int):
+        self.model, self.plan, self.probe = model, plan, probe
+        self.reference, self.plain_hidden = reference, plain_hidden
+        self.tolerance, self.pad = tolerance, pad_token_id
+        self.checks: list[PathCheck] = []
+
+    def error(self, logits: torch.Tensor) -> float:
+        return logprob_error(logits, self.reference, self.model.dtype)
+
+    def forward_error(self, plan: ForwardPlan) -> float:
+        """The scoring forward of `plan` (packed, padded or compiled, whichever it says)."""
+        return self.error(forward_logits(self.model, plan, self.probe.sequences, self.pad, self.probe.keep))
+
+    def prefix_error(self, plan: ForwardPlan) -> float:
+        """The prefixes prefilled first, their suffixes then over the states."""
+        probe, model = self.probe, self.model
+        distinct = [probe.long_prefix, probe.short_prefix]
+        states = dict(zip(map(tuple, distinct), prefill_prefixes(model, plan, distinct, self.pad)))
+        rows = [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in zip(probe.prefixes, probe.suffixes, probe.keep)]
+        return self.error(head_logits(plan, forward_suffixes(model, plan, rows, self.pad)))
+
+    def packed_suffixes_error(self, plan: ForwardPlan) -> float:
+        """And the prefixes run in the same call as their suffixes."""
+        probe = self.probe
+        distinct = [probe.long_prefix, probe.short_prefix]
+        rows = [(distinct.index(p), s, k) for p, s, k in zip(probe.prefixes, probe.suffixes, probe.keep)]
+        _, hidden = prefill_with_suffixes(self.model, plan, distinct, rows, self.pad)
+        return max(self.prefix_error(plan), self.error(head_logits(plan, hidden)))
+
+    def decoding_error(self, plan: ForwardPlan, steps: int = 3) -> float:
+        """Two probe sequences prefilled without their last `steps` tokens, then fed them one decode step at a time:
+        the logits of the last steps + 1 positions of each against the plain forward's."""
+        model, probe = self.model, self.probe
+        sequences = probe.sequences[:2]
+        hidden, batch = prefill(model, plan, [seq[:-steps] for seq in sequences], self.pad)
+        got = [head_logits(plan, hidden[:, -1, :])]  # [2, V] per step
+        for step in range(steps):
+            tokens = torch.tensor([seq[len(seq) - steps + step] for seq in sequences], dtype=torch.long)
+            got.append(decode_step(model, plan, batch, tokens))
+        stacked = torch.stack(got, dim=1)  # [2, steps + 1, V]
+        ends = torch.tensor(probe.keep).cumsum(0).tolist()
+        reference = torch.cat([self.reference[end - steps - 1 : end] for end in ends[:2]])  # [2 * (steps + 1), V]
+        return logprob_error(stacked.reshape(-1, stacked.shape[-1]), reference, model.dtype)
+
+    def record(self, check: PathCheck) -> bool:
+        self.checks.append(check)
+        return check.enabled
+
+    def attempt(self, name: str, candidate: ForwardPlan, measure) -> bool:
+        """Keep `candidate` as the plan when `measure(candidate)` agrees with the plain forward."""
+        if self.record(check_path(name, self.tolerance, lambda: measure(candidate))):
+            self.plan = candidate
+            return True
+        return False
 
 
-@dataclass(frozen=True)
-class _Probe:
-    """Three sequences of mixed lengths as two prefixes with suffixes: long_prefix + a runs past the smallest
-    window, and two suffixes share short_prefix (the prefix cache's case: one prefix, several suffixes)."""
-
-    long_prefix: list[int]
-    short_prefix: list[int]
-    suffixes: tuple[list[int], list[int], list[int]]  # the first follows long_prefix, the others short_prefix
-
-    @property
-    def sequences(self) -> list[list[int]]:
-        return [prefix + suffix for prefix, suffix in zip(self.prefixes, self.suffixes)]
-
-    @property
-    def prefixes(self) -> list[list[int]]:
-        return [self.long_prefix, self.short_prefix, self.short_prefix]
-
-    @property
-    def keep(self) -> list[int]:
-        """Positions compared per sequence: the one before each suffix token, and the last."""
-        return [len(s) + 1 for s in self.suffixes]
-
-
-def _make_probe(model: PreTrainedModel, vocab_size: int, max_length: int) -> _Probe:
-    window = smallest_window(model)
-    longest = min(max_length, _MAX_PROBE_LENGTH, window + _PAST_WINDOW if window else _NO_WINDOW_LENGTH)
-    generator = torch.Generator().manual_seed(0)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab_size, (n,), generator=generator).tolist()  # any id the embedding holds
-
-    long_prefix = tokens(max(1, longest - 9))
-    return _Probe(long_prefix, tokens(6), (tokens(4), tokens(9), tokens(5)))
-
-
-def _plain_logits(model: PreTrainedModel, sequences: list[list[int]], keep: list[int]):
-    """The model's own forward, one unpadded sequence at a time: the logits of each one's last k positions
-    [sum k, V], and the body's final hidden states at those positions [sum k, H] (seen by a hook, not rerun)."""
-    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    seen: list[torch.Tensor] = []
-    hook = model.base_model.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state[0]))
-    rows, hidden = [], []
+def _prepacked(checker: _Checker, batch_invariant: bool) -> None:
+    """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head."""
+    model, plan = checker.model, checker.plan
+    swaps = []
     try:
-        for seq, k in zip(sequences, keep):
-            extra = {"logits_to_keep": k} if takes_keep else {}  # [k, V] instead of [len, V] at a 262k vocabulary
-            rows.append(model(torch.tensor([seq], device=model.device), use_cache=False, **extra).logits[0, -k:])
-            hidden.append(seen.pop()[-k:])
+        swaps = prepack_linears(model, plan.body)
+        if not swaps:
+            return
+        # A batch-invariant head runs the plain lm_head in row tiles (models/head.py), so no packed copy is held.
+        held = None if batch_invariant else prepacked_head(model)
+        candidate = replace(plan, head=build_head(model, plan.body, held) if held is not None else plan.head,
+                            held_head=held)
+
+        def prepacked_error(candidate: ForwardPlan) -> float:  # the body's packed linears, then the packed head
+            body = checker.error(plain_logits(model, plan.body, checker.probe.sequences, checker.probe.keep)[0])
+            return max(body, checker.error(head_logits(candidate, checker.plain_hidden)))
+
+        if not checker.attempt("prepacked_linears", candidate, prepacked_error):
+            restore_linears(swaps)
+    except Exception as exc:  # noqa: BLE001 - installing the path failed: the plain linears serve
+        restore_linears(swaps)
+        checker.record(_failed("prepacked_linears", "installing", exc))
     finally:
-        hook.remove()
-    return torch.cat(rows), torch.cat(hidden)
+        swaps.clear()  # drop the original weights: nothing may restore them now
 
 
-def _error(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> float:
-    """got: logits [N, V]; reference: float32 logprobs [N, V]; the difference measure of TOLERANCE's comment."""
-    diff = (got.float().log_softmax(-1) - reference).abs()  # [N, V]
-    if dtype == torch.float32:
-        return diff.max().item()
-    return (diff * reference.exp()).sum(-1).max().item()
+def _layout(checker: _Checker) -> None:
+    """Packed sequences where attention is SDPA and no layer carries state across positions, else padded
+    micro-batches, else each sequence alone (the plain path)."""
+    model, plan = checker.model, checker.plan
+    original_attention = model.config._attn_implementation
+    if plan.stateful_layers:
+        checker.record(PathCheck("packed_batches", False, None, f"{CARRIES_STATE}: {', '.join(plan.stateful_layers)}"))
+    else:
+        try:
+            if use_packed_attention(model):
+                if not checker.attempt("packed_batches", replace(plan, layout="packed"), checker.forward_error):
+                    model.set_attn_implementation(original_attention)
+        except Exception as exc:  # noqa: BLE001 - installing packed attention failed: padded batches instead
+            model.set_attn_implementation(original_attention)
+            checker.record(_failed("packed_batches", "installing", exc))
+    if checker.plan.layout != "packed":
+        checker.attempt("padded_batches", replace(checker.plan, layout="padded"), checker.forward_error)
 
 
-def _check(name: str, tolerance: float, run) -> PathCheck:
-    try:
-        error = run()
-    except Exception as exc:  # noqa: BLE001 - a path that cannot run at all is a path to switch off
-        return PathCheck(name, False, None, f"{type(exc).__name__}: {exc}")
-    if error != error or error > tolerance:  # NaN counts as disagreement
-        return PathCheck(name, False, error, f"differs from the plain forward by {error:.3g} (tolerance {tolerance:g})")
-    return PathCheck(name, True, error)
+def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
+    """Key/value reuse (packed suffixes where SDPA reads their mask) over plain attention caches; else, for a model
+    whose layers carry state, a copy of its whole cache at the prefix boundary; else off."""
+    model, plan = checker.model, checker.plan
+    if plan.stateful_layers or not supports_prefix_reuse(model):
+        checker.record(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
+        checker.record(PathCheck("packed_suffixes", False, None, NOT_PLAIN_ATTENTION))
+    elif checker.attempt("shared_prefix", replace(plan, prefix_reuse="key_values"), checker.prefix_error):
+        if batch_invariant:
+            checker.record(PathCheck("packed_suffixes", False, None, UNPACKED_WHEN_INVARIANT))
+        elif not can_pack_suffixes(model):
+            checker.record(PathCheck("packed_suffixes", False, None, NO_BOOLEAN_MASK))
+        else:
+            checker.attempt("packed_suffixes", replace(checker.plan, packed_suffixes=True),
+                            checker.packed_suffixes_error)
+        return
+    else:
+        checker.record(PathCheck("packed_suffixes", False, None, SHARED_PREFIX_OFF))
+    if not plan.stateful_layers:
+        checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, RUNS_FROM_SCRATCH))
+        return
+    if not _returns_cache(checker.plan, model.device):
+        checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, NO_CACHE_OBJECT))
+        return
+    checker.attempt(WHOLE_CACHE_PREFIX, replace(checker.plan, prefix_reuse="whole_cache"), checker.prefix_error)
 
 
-def _batch_difference(model: PreTrainedModel, probe: _Probe, neighbours: list[list[int]], pad_token_id: int,
-                      prefix_reuse: bool) -> tuple[float, float | None]:
+def _decoding(checker: _Checker) -> None:
+    """Rows batched in one key/value cache where every cache layer is attention; else each row alone with the
+    model's own cache; else each token recomputed from the whole sequence (the plain forward)."""
+    plan = checker.plan
+    if plan.stateful_layers:
+        checker.record(PathCheck("batched_decoding", False, None, f"{CARRIES_STATE}: {', '.join(plan.stateful_layers)}"))
+    elif checker.attempt("batched_decoding", replace(plan, decoding="batched"), checker.decoding_error):
+        return
+    if not _returns_cache(checker.plan, checker.model.device):
+        checker.record(PathCheck("cached_decoding", False, None, NO_CACHE_OBJECT))
+        return
+    checker.attempt("cached_decoding", replace(checker.plan, decoding="per_request"), checker.decoding_error)
+
+
+def _batch_difference(checker: _Checker, plan: ForwardPlan, neighbours: list[list[int]]
+                      ) -> tuple[float, float | None]:
     """Largest |logit difference| of each probe sequence alone against the same sequence batched with neighbours
-    (0.0 when bit-identical): through forward_logits, and (prefix_reuse) over prefilled prefixes."""
+    (0.0 when bit-identical): through forward_logits, and (key/value prefix reuse) over prefilled prefixes."""
+    model, probe, pad = checker.model, checker.probe, checker.pad
     sequences, keep = probe.sequences, probe.keep
-    alone = torch.cat([forward_logits(model, [seq], pad_token_id, [k]) for seq, k in zip(sequences, keep)])
+    alone = torch.cat([forward_logits(model, plan, [seq], pad, [k]) for seq, k in zip(sequences, keep)])
     mixed = [neighbours[0], sequences[0], neighbours[1], sequences[1], neighbours[2], sequences[2], neighbours[3]]
     mixed_keep = [1, keep[0], 2, keep[1], 1, keep[2], 3]
-    rows = forward_logits(model, mixed, pad_token_id, mixed_keep).split(mixed_keep)
+    rows = forward_logits(model, plan, mixed, pad, mixed_keep).split(mixed_keep)
     batched = torch.cat([rows[1], rows[3], rows[5]])
     forward = (alone - batched).abs().max().item()
-    if not prefix_reuse:
+    if plan.prefix_reuse != "key_values":
         return forward, None
 
     def suffix_logits(prefixes: list[list[int]], pairs: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
-        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, prefixes, pad_token_id)))
-        return head_logits(model, forward_suffixes(
-            model, [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in pairs], pad_token_id))
+        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, plan, prefixes, pad)))
+        return head_logits(plan, forward_suffixes(
+            model, plan, [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in pairs], pad))
 
     short, suffixes = probe.short_prefix, probe.suffixes
     alone = torch.cat([suffix_logits([short], [(short, suffixes[i], keep[i])]) for i in (1, 2)])
@@ -205,64 +251,109 @@ def _batch_difference(model: PreTrainedModel, probe: _Probe, neighbours: list[li
     return forward, (alone - torch.cat([rows[1], rows[3]])).abs().max().item()
 
 
-def _make_invariant(model: PreTrainedModel, probe: _Probe, vocab_size: int, max_length: int, pad_token_id: int,
-                    checks: list[PathCheck], original_attention: str) -> PathCheck:
-    """Make `model` batch-invariant and prove it on the probe; a path that still moves a row is switched off."""
+def _off(checks: list[PathCheck], name: str, difference: float, reason: str) -> list[PathCheck]:
+    return [PathCheck(c.name, False, difference, reason) if c.name == name else c for c in checks]
+
+
+def _make_invariant(checker: _Checker, vocab_size: int, max_length: int, original_attention: str) -> PathCheck:
+    """Make the model batch-invariant and prove it on the probe; a path that still moves a row is switched off."""
+    model = checker.model
     generator = torch.Generator().manual_seed(1)
     neighbours = [torch.randint(0, vocab_size, (min(n, max_length),), generator=generator).tolist()
                   for n in _NEIGHBOUR_LENGTHS]
-    make_batch_invariant(model)
-    reuse = any(c.name == "shared_prefix" and c.enabled for c in checks)
     try:
-        forward, prefix = _batch_difference(model, probe, neighbours, pad_token_id, reuse)
-        if forward != 0.0 and supports_packing(model):
+        tiled = make_batch_invariant(model, checker.plan.body)
+        plan = replace(checker.plan, batch_invariant=True, held_head=None,
+                       head=build_head(model, checker.plan.body, tiled))
+        forward, prefix = _batch_difference(checker, plan, neighbours)
+        if forward != 0.0 and plan.layout == "packed":
             # one sequence per call is the same call alone and in a batch
             log.warning("packed batches move a row by %.3g on this model; running one sequence at a time", forward)
             model.set_attn_implementation(original_attention)
-            run_one_at_a_time(model)
-            checks[:] = [PathCheck(c.name, False, c.difference, f"not batch-invariant (moved a row by {forward:.3g})")
-                         if c.name == "packed_batches" else c for c in checks]
-            forward, prefix = _batch_difference(model, probe, neighbours, pad_token_id, reuse)
+            plan = replace(plan, layout="one_at_a_time", compiled=False)
+            checker.checks[:] = _off(checker.checks, "packed_batches", forward,
+                                     f"not batch-invariant (moved a row by {forward:.3g})")
+            forward, prefix = _batch_difference(checker, plan, neighbours)
     except Exception as exc:  # noqa: BLE001 - a path that cannot run at all cannot be proven invariant
         return PathCheck(BATCH_INVARIANT, False, None, f"{type(exc).__name__}: {exc}")
     if prefix is not None and prefix != 0.0:
-        checks[:] = [PathCheck(c.name, False, prefix, f"not batch-invariant (moved a row by {prefix:.3g})")
-                     if c.name == "shared_prefix" else c for c in checks]
+        checker.checks[:] = _off(checker.checks, "shared_prefix", prefix,
+                                 f"not batch-invariant (moved a row by {prefix:.3g})")
+        plan = replace(plan, prefix_reuse="off", packed_suffixes=False)
+    checker.plan = replace(plan, batch_invariant=forward == 0.0)
     if forward != 0.0:
         return PathCheck(BATCH_INVARIANT, False, forward, f"a batch moved a row by {forward:.3g}")
     return PathCheck(BATCH_INVARIANT, True, 0.0)
 
 
-def _compile_check(model: PreTrainedModel, compile: bool, cache_dir: Path | None, batch_invariant: bool,
-                   tolerance: float, error) -> PathCheck:
+def _compile_check(checker: _Checker, compile: bool, cache_dir: Path | None, batch_invariant: bool) -> PathCheck:
     """Compile the decoder layers for packed calls (if asked to) and keep them if they agree with the plain forward."""
+    model, plan = checker.model, checker.plan
     if not compile:
         return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NOT_REQUESTED)
     if batch_invariant:
         return PathCheck(COMPILED_LAYERS, False, None, NOT_COMPILED_WHEN_INVARIANT)
     if model.device.type != "cpu":
         return PathCheck(COMPILED_LAYERS, False, None, COMPILE_CPU_ONLY)
-    if not supports_packing(model):
+    if plan.layout != "packed":
         return PathCheck(COMPILED_LAYERS, False, None, COMPILE_NEEDS_PACKING)
-    if not compile_layers(model, cache_dir):
-        return PathCheck(COMPILED_LAYERS, False, None, "no decoder layers the compiled path can call")
-    check = _check(COMPILED_LAYERS, tolerance, error)  # the first packed call compiles
-    if not check.enabled:
+    try:
+        if not compile_layers(model, cache_dir):
+            return PathCheck(COMPILED_LAYERS, False, None, "no decoder layers the compiled path can call")
+    except Exception as exc:  # noqa: BLE001 - installing failed: eager layers serve
+        uncompile_layers(model)
+        return _failed(COMPILED_LAYERS, "installing", exc)
+    candidate = replace(plan, compiled=True)
+    check = check_path(COMPILED_LAYERS, checker.tolerance, lambda: checker.forward_error(candidate))  # first call compiles
+    if check.enabled:
+        checker.plan = candidate
+    else:
         uncompile_layers(model)
     return check
+
+
+def _guarded(checker: _Checker, name: str, step, *args) -> None:
+    """Run one step of the check; anything it raises unexpectedly puts the plan back as it was before the step and
+    switches off every path the step had turned on, instead of failing the load."""
+    plan, recorded = checker.plan, len(checker.checks)
+    try:
+        step(checker, *args)
+    except Exception as exc:  # noqa: BLE001 - a fast path can never stop a model from loading
+        checker.plan = plan
+        reason = f"the self-check raised {type(exc).__name__}: {exc}"
+        checker.checks[recorded:] = [PathCheck(c.name, False, c.difference, reason) if c.enabled else c
+                                     for c in checker.checks[recorded:] if c.name != name]
+        checker.record(_failed(name, "the self-check", exc))
+
+
+def plain_plan(model: PreTrainedModel) -> ForwardPlan:
+    """The plan of a model served exactly as transformers runs it: each sequence alone through its own forward,
+    each row decoding alone with its own cache (recomputing where it keeps none), no prefix reuse."""
+    body = find_body(model)
+    plan = ForwardPlan(body=body, head=build_head(model, body), stateful_layers=stateful_layers(model))
+    return replace(plan, decoding="per_request" if _returns_cache(plan, model.device) else "recompute")
+
+
+@torch.inference_mode()
+def _returns_cache(plan: ForwardPlan, device: torch.device) -> bool:
+    """Whether the body hands back a cache object (some models keep their state inside their modules)."""
+    output = plan.body(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=True)
+    return returned_cache(output) is not None
 
 
 @torch.inference_mode()
 def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int, pad_token_id: int,
                        batch_invariant: bool = False, compile: bool = False,
-                       cache_dir: Path | None = None) -> FastPaths:
-    """Install each fast path on `model` and keep the ones that give the plain forward's numbers.
+                       cache_dir: Path | None = None) -> ForwardPlan:
+    """Install each fast path on `model`, keep the ones that give the plain forward's numbers, and return the plan.
 
     Compared with the unmodified model's own forward on the same probe sequences (one of them longer
     than the smallest attention window): the output head genscore reads logits through (must agree,
     or the load fails), pre-packed linear weights (CPU), packed sequences or else padded micro-batches
-    (else one sequence at a time), and shared-prefix key/value reuse, which the prefix cache and
-    multi-token candidates read as well. A path that disagrees or raises is left off and logged.
+    (else one sequence at a time), shared-prefix reuse (key/value states, or the model's whole cache), which the
+    prefix cache and multi-token candidates read as well, and batched decoding (else each row alone). Installing,
+    probing or checking a path that raises switches that path off with a warning; the load fails only when the
+    model's own plain forward does.
     batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
     on the probe sequences batched with others; a path that still moves a row is switched off.
     compile: compile the decoder layers for packed calls (models/compiled.py; CPU, not with batch_invariant),
@@ -270,91 +361,41 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     """
     started = time.perf_counter()
     tolerance = TOLERANCE.get(model.dtype, 0.1)
-    probe = _make_probe(model, vocab_size, max_length)
-    sequences, keep = probe.sequences, probe.keep
-    plain_logits, plain_hidden = _plain_logits(model, sequences, keep)  # [N, V], [N, H]
-    reference = plain_logits.float().log_softmax(-1)  # [N, V]
-    checks = []
-    head = _check("output_head", tolerance, lambda: _error(head_logits(model, plain_hidden), reference, model.dtype))
+    probe = make_probe(model, vocab_size, max_length)
+    try:
+        body = find_body(model)
+        logits, plain_hidden = plain_logits(model, body, probe.sequences, probe.keep)  # [N, V], [N, H]
+    except Exception as exc:
+        raise PlainForwardError(f"the model's own transformers forward fails on a plain {len(probe.sequences[0])}-"
+                                f"token sequence, so it cannot be served: {type(exc).__name__}: {exc}") from exc
+    reference = logits.float().log_softmax(-1)  # [N, V]
+    plan = ForwardPlan(body=body, head=build_head(model, body), stateful_layers=stateful_layers(model),
+                       tolerance=tolerance)
+    checker = _Checker(model, plan, probe, reference, plain_hidden, tolerance, pad_token_id)
+    head = check_path("output_head", tolerance, lambda: checker.error(head_logits(plan, plain_hidden)))
     if not head.enabled:
         raise RuntimeError(f"genscore cannot read this model's logits the way its own forward does: {head.reason}")
-    checks.append(head)
+    checker.record(head)
 
-    swaps = prepack_linears(model)
-    if swaps:
-        # A batch-invariant head runs the plain lm_head in row tiles (models/head.py), so no packed copy is held.
-        set_head_linear(model, None if batch_invariant else prepacked_head(model))
-
-        def prepacked_error() -> float:  # the body's packed linears, then the head view's packed lm_head
-            body = _error(_plain_logits(model, sequences, keep)[0], reference, model.dtype)
-            return max(body, _error(head_logits(model, plain_hidden), reference, model.dtype))
-
-        prepacked = _check("prepacked_linears", tolerance, prepacked_error)
-        if not prepacked.enabled:
-            restore_linears(swaps)
-            set_head_linear(model, None)
-        checks.append(prepacked)
-    swaps.clear()  # drop the original weights: nothing may restore them now
-
-    def forward_error() -> float:  # the scoring forward (packed, padded or compiled, whichever is on)
-        return _error(forward_logits(model, sequences, pad_token_id, keep), reference, model.dtype)
-
+    _guarded(checker, "prepacked_linears", _prepacked, batch_invariant)
     original_attention = model.config._attn_implementation
-    if use_packed_attention(model):
-        packed = _check("packed_batches", tolerance, forward_error)
-        if not packed.enabled:
-            model.set_attn_implementation(original_attention)
-        checks.append(packed)
-    if not any(c.name == "packed_batches" and c.enabled for c in checks):
-        padded = _check("padded_batches", tolerance, forward_error)
-        if not padded.enabled:
-            run_one_at_a_time(model)
-        checks.append(padded)
-
-    checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance, forward_error))
-
-    if supports_prefix_reuse(model):
-        distinct = [probe.long_prefix, probe.short_prefix]  # prefilled together (packed, or left-padded)
-
-        def prefix_error() -> float:  # the prefixes prefilled first, their suffixes then over the states
-            states = dict(zip(map(tuple, distinct), prefill_prefixes(model, distinct, pad_token_id)))
-            rows = [SuffixRow(states[tuple(p)], tuple(s), k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
-            return _error(head_logits(model, forward_suffixes(model, rows, pad_token_id)), reference, model.dtype)
-
-        def packed_suffixes_error() -> float:  # and the prefixes run in the same call as their suffixes
-            rows = [(distinct.index(p), s, k) for p, s, k in zip(probe.prefixes, probe.suffixes, keep)]
-            _, hidden = prefill_with_suffixes(model, distinct, rows, pad_token_id)
-            return max(prefix_error(), _error(head_logits(model, hidden), reference, model.dtype))
-
-        checks.append(_check("shared_prefix", tolerance, prefix_error))
-        if not checks[-1].enabled:
-            checks.append(PathCheck("packed_suffixes", False, None, SHARED_PREFIX_OFF))
-        elif batch_invariant:
-            checks.append(PathCheck("packed_suffixes", False, None, UNPACKED_WHEN_INVARIANT))
-        elif not can_pack_suffixes(model):
-            checks.append(PathCheck("packed_suffixes", False, None, NO_BOOLEAN_MASK))
-        else:
-            use_packed_suffixes(model)
-            checks.append(_check("packed_suffixes", tolerance, packed_suffixes_error))
-            if not checks[-1].enabled:
-                use_packed_suffixes(model, False)
-    else:
-        checks.append(PathCheck("shared_prefix", False, None, NOT_PLAIN_ATTENTION))
-        checks.append(PathCheck("packed_suffixes", False, None, NOT_PLAIN_ATTENTION))
-
+    _guarded(checker, "packed_batches", _layout)
+    checker.record(_compile_check(checker, compile, cache_dir, batch_invariant))
+    _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)
+    _guarded(checker, "batched_decoding", _decoding)
     if batch_invariant:
-        checks.append(_make_invariant(model, probe, vocab_size, max_length, pad_token_id, checks, original_attention))
+        checker.record(_make_invariant(checker, vocab_size, max_length, original_attention))
     else:
-        checks.append(PathCheck(BATCH_INVARIANT, False, None, NOT_REQUESTED))
+        checker.record(PathCheck(BATCH_INVARIANT, False, None, NOT_REQUESTED))
 
-    report = FastPaths(tuple(checks), tolerance, time.perf_counter() - started)
-    for check in checks:
+    report = replace(checker.plan, checks=tuple(checker.checks), seconds=time.perf_counter() - started)
+    for check in report.checks:
         if check.enabled:
             log.info("fast path %s: on (difference %.2g from the plain forward)", check.name, check.difference)
-        elif check.difference is None and check.reason in _NOT_USED:
+        elif check.difference is None and check.reason.startswith(_NOT_USED):
             log.info("fast path %s: not used, %s", check.name, check.reason)
         else:
             log.warning("fast path %s: OFF, %s", check.name, check.reason)
-    log.info("self-check of the fast paths took %.2f s (tolerance %g)", report.seconds, tolerance)
+    log.info("self-check took %.2f s (tolerance %g): layout %s, prefix reuse %s, decoding %s", report.seconds,
+             tolerance, report.layout, report.prefix_reuse, report.decoding)
     return report
-

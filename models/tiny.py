@@ -79,9 +79,56 @@ _ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                         num_hidden_layers=2, rotary_pct=0.25)),
     "smollm3": ("SmolLM3Config", dict(_BODY, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
+    # ALiBi: no position ids at all, a bias on the attention scores
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
+    # a mixture of experts whose output class carries router logits
+    "mixtral": ("MixtralConfig", dict(_BODY, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)),
+    # learned positions read with an offset of 2
+    "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
+                              word_embed_proj_dim=64)),
+    # chunked attention, NoPE layers and a mixture of experts whose output class has no last_hidden_state
+    "llama4": ("Llama4TextConfig", dict(_BODY, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
+                                         num_experts_per_tok=1, attention_chunk_size=WINDOW,
+                                         no_rope_layers=[1, 1, 1, 0], interleave_moe_layer_step=2)),
+    # Mamba-2 and attention side by side in each layer, with multipliers on the embedding and the output head
+    "falcon_h1": ("FalconH1Config", dict(_BODY, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4,
+                                          mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+                                          lm_head_multiplier=0.5, embedding_multiplier=2.0)),
+    # pure state-space: no attention at all
+    "mamba": ("MambaConfig", dict(hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)),
+    # Mamba layers, one attention layer and experts
+    "jamba": ("JambaConfig", dict(_BODY, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+                                   expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                                   mamba_d_state=8, use_mamba_kernels=False)),
+    # gated-delta linear attention next to full attention, experts with a shared expert
+    "qwen3_next": ("Qwen3NextConfig", dict(_BODY, num_hidden_layers=2,
+                                            layer_types=["linear_attention", "full_attention"],
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # short gated convolutions next to attention
+    "lfm2": ("Lfm2Config", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                 block_auto_adjust_ff_dim=False)),
+    # a real-gated linear recurrence next to local (windowed) attention, soft-capped logits
+    "recurrent_gemma": ("RecurrentGemmaConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                      num_key_value_heads=2, lru_width=64, num_hidden_layers=3,
+                                                      attention_window_size=WINDOW,
+                                                      block_types=["recurrent", "recurrent", "attention"])),
+    # lightning (linear) attention next to full attention, experts
+    "minimax": ("MiniMaxConfig", dict(_BODY, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                       block_size=16, num_local_experts=4)),
 }
 TINY_ARCHITECTURES = ("llama", "gpt2", "qwen2")
-CONFORMANCE_ARCHITECTURES = tuple(arch for arch in _ARCHITECTURES if arch not in ("gpt2", "qwen2"))
+# The zoo of attention variants (windows, sinks, soft-caps, scales, NoPE) that every fast path applies to.
+ATTENTION_ZOO = ("llama", "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3", "phi3", "gpt_oss", "olmo2",
+                 "granite", "cohere2", "starcoder2", "gpt_neox", "smollm3")
+# One model per family whose layers, positions, outputs or caches differ: Conv1D (gpt2, also an API test model),
+# ALiBi, MoE outputs, learned positions with an offset, chunked attention, multiplied heads, state-space,
+# attention + state-space hybrids, gated delta, convolutions, recurrent local attention, lightning attention.
+FAMILY_ZOO = ("gpt2", "bloom", "mixtral", "opt", "llama4", "falcon_h1", "mamba", "jamba", "qwen3_next", "lfm2",
+              "recurrent_gemma", "minimax")
+CONFORMANCE_ARCHITECTURES = ATTENTION_ZOO + FAMILY_ZOO
 
 
 def _config(arch: str, vocab_size: int, max_positions: int):

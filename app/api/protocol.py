@@ -53,10 +53,20 @@ class FastPathCheck(BaseModel):
 
 
 class FastPathReport(BaseModel):
-    """The load-time self-check of the fast paths against the model's plain transformers forward."""
+    """The model's forward plan: what each kind of call runs, and the load-time self-check of every fast path
+    against the model's plain transformers forward (on or off, and why)."""
 
     tolerance: float | None
     seconds: float
+    layout: Literal["packed", "padded", "one_at_a_time"] = Field(
+        description="how scoring calls lay out sequences: packed in one row, padded micro-batches, or each alone")
+    prefix_reuse: Literal["off", "key_values", "whole_cache"] = Field(
+        description="how a shared prefix is reused: not at all, its key/value states, or a copy of the whole cache")
+    decoding: Literal["batched", "per_request", "recompute"] = Field(
+        description="how generation advances: rows in one key/value cache, each alone with the model's own cache, "
+                    "or each token by a full forward")
+    batch_invariant: bool
+    stateful_layers: list[str] = Field(description="cache layers that carry state across positions")
     paths: list[FastPathCheck]
 
 

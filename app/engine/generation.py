@@ -22,7 +22,7 @@ from app.engine.work import GenerationParams
 from app.errors import EngineError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
-from models.decoding import DecodeBatch, decode_step, merge, prefill, select_rows
+from models.decoding import DecodeBatch, decode_step, drop_partial_step, merge, prefill, select_rows
 from models.head import head_logits
 from sampler import SamplingParams
 
@@ -229,9 +229,9 @@ class Generator(ConsumerLoop):
     @torch.inference_mode()
     def _prefill(self, admissions: list[Admission], events: list) -> None:
         model, device = self.loaded.model, self.loaded.device
-        hidden, batch = prefill(model, [a.group.prompt_ids for a in admissions], self.loaded.pad_token_id)  # [b, T, H]
+        hidden, batch = prefill(model, self.loaded.plan, [a.group.prompt_ids for a in admissions], self.loaded.pad_token_id)  # [b, T, H]
         width = hidden.shape[1]
-        last_logits = head_logits(model, hidden[:, -1, :])  # [b, V]
+        last_logits = head_logits(self.loaded.plan, hidden[:, -1, :])  # [b, V]
         new_rows: list[int] = []  # batch row of each new choice
         new_choices: list[Choice] = []
         for row, (group, first, count) in enumerate(admissions):
@@ -276,9 +276,9 @@ class Generator(ConsumerLoop):
         width = batch.width
         next_tokens = torch.tensor([c.next_token for c in rows], dtype=torch.long)  # [B]
         try:
-            logits = decode_step(self.loaded.model, batch, next_tokens)  # [B, V]
+            logits = decode_step(self.loaded.model, self.loaded.plan, batch, next_tokens)  # [B, V]
         except Exception:  # noqa: BLE001 - only the row that fails on its own may fail its caller
-            _drop_partial_step(batch, width)
+            drop_partial_step(batch, width)
             if len(rows) == 1:
                 log.exception("decode step failed for one row")
                 events.append((rows[0].group, EngineError("the model failed while generating")))
@@ -372,15 +372,8 @@ class Generator(ConsumerLoop):
         positions: list[PositionLogprobs | None] = [None]
         for start in range(0, len(ids) - 1, LOGIT_ROWS_PER_CHUNK):
             stop = min(start + LOGIT_ROWS_PER_CHUNK, len(ids) - 1)
-            logits = head_logits(self.loaded.model, hidden[start:stop])  # [c, V]
+            logits = head_logits(self.loaded.plan, hidden[start:stop])  # [c, V]
             asked = [position_params(group.params, ids[j + 1]) for j in range(start, stop)]
             positions += score_positions(logits, asked)
         return positions
 
-
-def _drop_partial_step(batch: DecodeBatch, width: int) -> None:
-    """After a failed decode step: cut the column that the layers it reached appended, so every layer holds `width`
-    columns again (the attention mask grows only when a step succeeds)."""
-    for layer in batch.cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > width:
-            layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]

@@ -144,7 +144,7 @@ class Scorer:
             if p is not None:
                 pending.append(r)
                 suffixes.append((p, row.tokens[row.split :], row.keep))
-        computed, hidden = prefill_with_suffixes(self.loaded.model, missing, suffixes, self.loaded.pad_token_id)
+        computed, hidden = prefill_with_suffixes(self.loaded.model, self.loaded.plan, missing, suffixes, self.loaded.pad_token_id)
         for state in computed:
             states[state.tokens] = state
             self.prefix_cache.put(state)
@@ -171,25 +171,25 @@ class Scorer:
         Rows without a shared prefix take the plain packed pass; rows run with their prefix's prefill bring their
         hidden states (`prefilled`, by row index); the others run over their prefix's states.
         """
-        model, pad = self.loaded.model, self.loaded.pad_token_id
+        model, plan, pad = self.loaded.model, self.loaded.plan, self.loaded.pad_token_id
         rows = [row for _, row in chunk]
         parts: list[torch.Tensor | None] = [prefilled.get(r) for r, _ in chunk]  # [keep, H] each, once filled
         plain = [i for i, row in enumerate(rows) if row.split == 0]
         shared = [i for i, row in enumerate(rows) if row.split > 0 and parts[i] is None]
         if plain:
             keep = [rows[i].keep for i in plain]
-            logits = forward_logits(model, [rows[i].tokens for i in plain], pad, keep_last=keep)
+            logits = forward_logits(model, plan, [rows[i].tokens for i in plain], pad, keep_last=keep)
             for i, block in zip(plain, logits.split(keep)):
                 parts[i] = block
         if shared:
             keep = [rows[i].keep for i in shared]
             suffix_rows = [SuffixRow(states[tuple(rows[i].tokens[: rows[i].split])], tuple(rows[i].tokens[rows[i].split :]),
                                      rows[i].keep) for i in shared]
-            for i, block in zip(shared, forward_suffixes(model, suffix_rows, pad).split(keep)):
+            for i, block in zip(shared, forward_suffixes(model, plan, suffix_rows, pad).split(keep)):
                 parts[i] = block
         over_prefix = [i for i, row in enumerate(rows) if row.split > 0]  # their parts are hidden states, not logits
         if over_prefix:
-            logits = head_logits(model, torch.cat([parts[i] for i in over_prefix]))
+            logits = head_logits(plan, torch.cat([parts[i] for i in over_prefix]))
             for i, block in zip(over_prefix, logits.split([rows[i].keep for i in over_prefix])):
                 parts[i] = block
         return torch.cat(parts)

@@ -64,7 +64,7 @@ def test_bfloat16_linears_stay_plain_with_a_warning_where_the_cpu_cannot_pack_th
     assert "no bfloat16 instructions on this test CPU" in caplog.text and "slower than float32" in caplog.text
     plain = plain_model(folder, dtype=torch.bfloat16)
     sequences = [QUERY, QUERY + ITEMS[2]]
-    got = forward_logits(loaded.model, sequences, loaded.pad_token_id)  # [2, V]
+    got = forward_logits(loaded.model, loaded.plan, sequences, loaded.pad_token_id)  # [2, V]
     expected = torch.stack([position_logits(plain, s)[-1] for s in sequences])
     torch.testing.assert_close(got, expected, atol=3e-2, rtol=0)
 

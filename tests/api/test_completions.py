@@ -414,7 +414,7 @@ def test_sdk_errors_raise_the_sdk_exceptions(sdk):
 
 
 def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(client, monkeypatch):
-    def broken_decode_step(model, batch, next_tokens):
+    def broken_decode_step(model, plan, batch, next_tokens):
         raise RuntimeError("simulated model failure")
 
     monkeypatch.setattr("app.engine.generation.decode_step", broken_decode_step)

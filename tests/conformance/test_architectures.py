@@ -119,26 +119,54 @@ def test_bfloat16_matches_plain_bfloat16(zoo):
     served = load_model(str(zoo.folder), device="cpu", dtype="bfloat16", cache_dir=None)
     plain = AutoModelForCausalLM.from_pretrained(zoo.folder, dtype=torch.bfloat16).eval()
     prompts = [random_ids(n, seed=10 + n) for n in (6, 3 * WINDOW, 7 * WINDOW)]
-    got = forward_logits(served.model, prompts, served.pad_token_id).log_softmax(-1)  # [3, V]
+    got = forward_logits(served.model, served.plan, prompts, served.pad_token_id).log_softmax(-1)  # [3, V]
     with torch.inference_mode():
         want = torch.stack([plain(torch.tensor([p])).logits[0, -1].float().log_softmax(-1) for p in prompts])
     expected_gap = ((got - want).abs() * want.exp()).sum(-1).max().item()
     assert expected_gap < TOLERANCE[torch.bfloat16], expected_gap
 
 
+def test_greedy_generation_is_what_generate_gives(zoo):
+    """The same prompt through the server and through transformers' own `generate` (greedy, its own cache)."""
+    prompt = random_ids(2 * WINDOW + 3, seed=7)
+    response = httpx.post(f"{zoo.url}/v1/completions", timeout=60, json={
+        "model": zoo.arch, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert response.status_code == 200, response.text
+    with torch.inference_mode():
+        generated = zoo.plain.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                       eos_token_id=zoo.served.tokenizer.eos_token_id, pad_token_id=0)
+    ids = generated[0, len(prompt):].tolist()
+    if zoo.served.tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(zoo.served.tokenizer.eos_token_id)]
+    assert response.json()["choices"][0]["text"] == zoo.served.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_self_check_keeps_the_fast_paths_that_apply(zoo):
-    """Packing wherever attention is SDPA, padded batches elsewhere, prefix reuse only over plain full attention,
-    packed suffixes over it wherever attention is SDPA."""
+    """Packing wherever attention is SDPA and no layer carries state, padded batches elsewhere; key/value prefix
+    reuse over plain full attention, packed suffixes over it wherever attention is SDPA, else (for layers that carry
+    state) a copy of the whole cache where it proves exact; batched decoding over attention caches, else each row alone with its own cache."""
     from models.prefix import supports_prefix_reuse
 
-    paths = {check.name: check for check in zoo.served.fast_paths.checks}
-    assert paths["output_head"].enabled and paths["prepacked_linears"].enabled
-    if zoo.plain.config._attn_implementation == "sdpa":
-        assert paths["packed_batches"].enabled, paths["packed_batches"]
-    else:
-        assert "packed_batches" not in paths and paths["padded_batches"].enabled
-    assert paths["shared_prefix"].enabled == supports_prefix_reuse(zoo.plain)
-    # suffixes over a shared prefix pack wherever SDPA reads their boolean mask
+    plan = zoo.served.plan
+    paths = {check.name: check for check in plan.checks}
+    assert paths["output_head"].enabled
+    assert "prepacked_linears" not in paths or paths["prepacked_linears"].enabled or \
+        "has no attribute 'weight'" in paths["prepacked_linears"].reason  # a model that reads a linear's weight
     sdpa = zoo.plain.config._attn_implementation == "sdpa"
-    assert paths["packed_suffixes"].enabled == (paths["shared_prefix"].enabled and sdpa), paths["packed_suffixes"]
-    assert all(c.difference is None or c.difference <= TOL for c in paths.values())
+    if plan.stateful_layers:
+        assert not paths["packed_batches"].enabled and "carry state" in paths["packed_batches"].reason
+        assert not paths["batched_decoding"].enabled and plan.decoding != "batched"
+        assert plan.prefix_reuse in ("off", "whole_cache")
+    elif sdpa and zoo.arch != "llama4":  # chunked attention: a chunk's start depends on the place in the row
+        assert paths["packed_batches"].enabled, paths["packed_batches"]
+        assert plan.layout == "packed" and plan.decoding == "batched"
+    if plan.layout != "packed":
+        assert plan.layout == "padded" and paths["padded_batches"].enabled
+    key_values = supports_prefix_reuse(zoo.plain) and not plan.stateful_layers
+    assert paths["shared_prefix"].enabled == key_values == (plan.prefix_reuse == "key_values")
+    assert paths["packed_suffixes"].enabled == (key_values and sdpa), paths["packed_suffixes"]
+    if not key_values:
+        assert paths["whole_cache_prefix"].enabled == (plan.prefix_reuse == "whole_cache")
+    if not plan.stateful_layers:  # attention only: items run from scratch with the rest of the batch
+        assert plan.prefix_reuse != "whole_cache"
+    assert all(c.difference is None or c.difference <= TOL for c in paths.values() if c.enabled)

@@ -38,7 +38,7 @@ def _compiled_regions(run) -> int:
 
 
 def test_compiled_layers_pass_the_self_check(compiled):
-    assert compiled.fast_paths.enabled("compiled_layers"), compiled.fast_paths.as_dict()
+    assert compiled.plan.enabled("compiled_layers"), compiled.plan.as_dict()
     assert is_compiled(compiled.model)
 
 
@@ -51,7 +51,7 @@ def test_packed_calls_run_compiled_and_equal_the_plain_forward(compiled, plain_m
         got = []
 
         def run(sequences=sequences, keep=keep, got=got):
-            got.append(forward_logits(compiled.model, sequences, 0, keep))
+            got.append(forward_logits(compiled.model, compiled.plan, sequences, 0, keep))
 
         assert _compiled_regions(run) == compiled.model.config.num_hidden_layers  # one call per layer, one pack
         expected = torch.cat([position_logits(plain, seq)[-k:] for seq, k in zip(sequences, keep)])
@@ -66,9 +66,9 @@ def test_calls_with_a_cache_stay_eager(compiled, plain_models):
     got = []
 
     def run():
-        (state,) = prefill_prefixes(compiled.model, [prefix], 0)
+        (state,) = prefill_prefixes(compiled.model, compiled.plan, [prefix], 0)
         rows = [SuffixRow(state, suffix, 1) for suffix in suffixes]
-        got.append(head_logits(compiled.model, forward_suffixes(compiled.model, rows, 0)))
+        got.append(head_logits(compiled.plan, forward_suffixes(compiled.model, compiled.plan, rows, 0)))
 
     assert _compiled_regions(run) == 0
     expected = torch.stack([position_logits(plain, prefix + list(suffix))[-1] for suffix in suffixes])
@@ -88,12 +88,12 @@ def test_compile_keeps_inductor_cache_under_the_cache_dir(tiny_loaded, tmp_path,
 
 def test_a_one_token_pack_runs_eager(compiled, plain_models):
     got = []
-    assert _compiled_regions(lambda: got.append(forward_logits(compiled.model, [[42]], 0))) == 0
+    assert _compiled_regions(lambda: got.append(forward_logits(compiled.model, compiled.plan, [[42]], 0))) == 0
     torch.testing.assert_close(got[0], position_logits(plain_models["llama"], [42])[-1:], atol=1e-4, rtol=0)
 
 
 def test_compile_is_not_combined_with_batch_invariance(tiny_model_dirs):
     loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", "float32", compile=True, batch_invariant=True)
-    check = next(c for c in loaded.fast_paths.checks if c.name == "compiled_layers")
+    check = next(c for c in loaded.plan.checks if c.name == "compiled_layers")
     assert not check.enabled and check.reason == NOT_COMPILED_WHEN_INVARIANT
-    assert not is_compiled(loaded.model) and loaded.fast_paths.batch_invariant
+    assert not is_compiled(loaded.model) and loaded.plan.batch_invariant

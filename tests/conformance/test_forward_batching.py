@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +12,7 @@ import models.forward
 from models import load_model
 from models.cpu_features import bfloat16_packing_missing
 from models.forward import PACK_TOKENS, forward_logits, pack_tokens, plan_micro_batches, plan_packs
-from models.head import head_linear, head_logits
-from models.packed import supports_packing
+from models.head import head_logits
 from models.prepack import PrepackedLinear
 
 LENGTHS = (3, 60, 5, 61, 4, 90, 2, 58)
@@ -45,23 +45,24 @@ def test_plan_packs_keeps_order_and_budget():
 @pytest.mark.parametrize("pack_tokens", [1024, 100])  # one pack, and several
 def test_packed_rows_match_each_sequence_alone_in_caller_order(arch_models, pack_tokens, monkeypatch):
     served, plain = arch_models
-    assert supports_packing(served.model)
+    assert served.plan.layout == "packed"
     monkeypatch.setattr(models.forward, "PACK_TOKENS", pack_tokens)
     sequences = _sequences(served.vocab_size)
-    got = forward_logits(served.model, sequences, served.pad_token_id, keep_last=KEEP)  # [sum(KEEP), V]
+    got = forward_logits(served.model, served.plan, sequences, served.pad_token_id, keep_last=KEEP)  # [sum(KEEP), V]
     expected = torch.cat([_alone(plain.model, s, k) for s, k in zip(sequences, KEEP)])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    last_only = forward_logits(served.model, sequences, served.pad_token_id)  # [B, V]
+    last_only = forward_logits(served.model, served.plan, sequences, served.pad_token_id)  # [B, V]
     torch.testing.assert_close(last_only, expected[torch.tensor(KEEP).cumsum(0) - 1], atol=1e-5, rtol=0)
 
 
 def test_padded_micro_batches_match_each_sequence_alone_in_caller_order(arch_models):
-    """Models that cannot pack (not SDPA) take padded micro-batches of similar length."""
+    """Models that cannot pack (not SDPA) take padded micro-batches of similar length: a plan a test builds."""
     _, plain = arch_models
-    assert not supports_packing(plain.model)
+    assert plain.plan.layout == "one_at_a_time"  # loaded plain: each sequence alone
+    plan = replace(plain.plan, layout="padded")
     sequences = _sequences(plain.vocab_size)
     assert len(plan_micro_batches([len(s) for s in sequences])) > 1  # the case under test: several calls
-    got = forward_logits(plain.model, sequences, plain.pad_token_id, keep_last=KEEP)
+    got = forward_logits(plain.model, plan, sequences, plain.pad_token_id, keep_last=KEEP)
     expected = torch.cat([_alone(plain.model, s, k) for s, k in zip(sequences, KEEP)])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -91,8 +92,8 @@ def test_serving_kernels_leave_lm_head_and_embeddings_alone(tiny_loaded):
 
 
 def test_the_output_head_runs_a_prepacked_copy_of_lm_head(tiny_loaded, monkeypatch):
-    model = tiny_loaded.model
-    packed = head_linear(model)
+    model, plan = tiny_loaded.model, tiny_loaded.plan
+    packed = plan.held_head
     assert isinstance(packed, PrepackedLinear)  # on top of the model's own lm_head, which stays plain
     calls = []
     real = PrepackedLinear.forward
@@ -104,7 +105,7 @@ def test_the_output_head_runs_a_prepacked_copy_of_lm_head(tiny_loaded, monkeypat
     monkeypatch.setattr(PrepackedLinear, "forward", spy)
     hidden = torch.randn(5, model.config.hidden_size)  # [N, H]
     with torch.inference_mode():
-        got = head_logits(model, hidden)  # [N, V]
+        got = head_logits(plan, hidden)  # [N, V]
         expected = model.get_output_embeddings()(hidden).float()
     assert calls == [packed]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
@@ -118,7 +119,7 @@ def test_half_precision_packs_twice_the_tokens_per_call(tiny_model_dirs):
                                                          with_kwargs=True)
     sequences = [list(range(3, 3 + 60)) for _ in range(25)]  # 1500 tokens: two float32-sized packs, one here
     try:
-        forward_logits(loaded.model, sequences, loaded.pad_token_id)
+        forward_logits(loaded.model, loaded.plan, sequences, loaded.pad_token_id)
     finally:
         hook.remove()
     assert len(calls) == 1

@@ -20,7 +20,7 @@ def mistral(tmp_path_factory):
 
 
 def paths_of(loaded) -> dict:
-    return {check.name: check for check in loaded.fast_paths.checks}
+    return {check.name: check for check in loaded.plan.checks}
 
 
 def last_logprobs(model, prompts) -> torch.Tensor:
@@ -42,7 +42,7 @@ def test_packing_that_drops_the_window_is_switched_off(mistral, monkeypatch):
     assert paths["padded_batches"].enabled
     prompts = [list(range(3, 3 + n)) for n in (5, 4 * WINDOW, 9 * WINDOW)]
     plain = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
-    got = forward_logits(loaded.model, prompts, loaded.pad_token_id).log_softmax(-1)
+    got = forward_logits(loaded.model, loaded.plan, prompts, loaded.pad_token_id).log_softmax(-1)
     assert (got - last_logprobs(plain, prompts)).abs().max().item() < 1e-4
 
 
@@ -52,7 +52,7 @@ def test_prepacked_linears_that_disagree_are_put_back(mistral, monkeypatch):
     loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
     assert not paths_of(loaded)["prepacked_linears"].enabled
     assert not any(isinstance(m, models.prepack.PrepackedLinear) for m in loaded.model.modules())
-    assert models.head.head_linear(loaded.model) is None
+    assert loaded.plan.held_head is None
 
 
 def test_a_prepacked_head_that_disagrees_is_put_back(mistral, monkeypatch):
@@ -66,17 +66,16 @@ def test_a_prepacked_head_that_disagrees_is_put_back(mistral, monkeypatch):
     monkeypatch.setattr(models.prepack.PrepackedLinear, "forward", wrong_head)
     loaded = load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
     assert not paths_of(loaded)["prepacked_linears"].enabled
-    assert models.head.head_linear(loaded.model) is None
+    assert loaded.plan.held_head is None
     prompts = [list(range(3, 3 + n)) for n in (5, 2 * WINDOW)]
     plain = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
-    got = forward_logits(loaded.model, prompts, loaded.pad_token_id).log_softmax(-1)
+    got = forward_logits(loaded.model, loaded.plan, prompts, loaded.pad_token_id).log_softmax(-1)
     assert (got - last_logprobs(plain, prompts)).abs().max().item() < 1e-4
 
 
 def test_a_head_that_disagrees_fails_the_load(mistral, monkeypatch):
-    real = models.head._GivenHidden.forward
-    monkeypatch.setattr(models.head._GivenHidden, "forward",
-                        lambda self, *a, inputs_embeds, **k: real(self, inputs_embeds=inputs_embeds * 1.01))
+    real = models.head.given_hidden
+    monkeypatch.setattr(models.head, "given_hidden", lambda *a, inputs_embeds, **k: real(inputs_embeds=inputs_embeds * 1.01))
     with pytest.raises(RuntimeError, match="cannot read this model's logits"):
         load_model(str(mistral), device="cpu", dtype="float32", cache_dir=None)
 
@@ -86,8 +85,8 @@ def test_a_prefix_and_suffixes_call_that_misplaces_its_rows_switches_packed_suff
     back its kept positions in the wrong order is caught at load, and packed suffixes go off."""
     real = models.prefix._prefix_and_suffixes_pass
 
-    def misordered(model, prefixes, suffixes):
-        return [(state, hidden.flip(0)) for state, hidden in real(model, prefixes, suffixes)]
+    def misordered(model, plan, prefixes, suffixes):
+        return [(state, hidden.flip(0)) for state, hidden in real(model, plan, prefixes, suffixes)]
 
     monkeypatch.setattr(models.prefix, "_prefix_and_suffixes_pass", misordered)
     loaded = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", cache_dir=None)

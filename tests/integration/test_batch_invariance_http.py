@@ -52,7 +52,7 @@ def invariant_url(tiny_model_dirs):
 def test_models_route_says_the_numbers_are_batch_invariant(invariant_url, tiny_loaded):
     paths = httpx.get(f"{invariant_url}/v1/models").json()["data"][0]["fast_paths"]["paths"]
     assert {p["name"]: p["enabled"] for p in paths}["batch_invariant"] is True
-    assert {c.name: c.enabled for c in tiny_loaded.fast_paths.checks}["batch_invariant"] is False  # the default
+    assert {c.name: c.enabled for c in tiny_loaded.plan.checks}["batch_invariant"] is False  # the default
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -33,18 +33,18 @@ def invariant_real(request, default_model_cache):
 
 
 def test_the_self_check_proves_invariance(invariant_real):
-    paths = {check.name: check for check in invariant_real.fast_paths.checks}
-    assert invariant_real.fast_paths.batch_invariant and paths["batch_invariant"].difference == 0.0
+    paths = {check.name: check for check in invariant_real.plan.checks}
+    assert invariant_real.plan.batch_invariant and paths["batch_invariant"].difference == 0.0
     assert paths["packed_batches"].enabled and paths["shared_prefix"].enabled  # invariant without losing a path
 
 
 @EXAMPLES
 @given(before=st.lists(neighbour, min_size=1, max_size=3), after=st.lists(neighbour, max_size=3))
 def test_a_request_gives_the_same_bits_in_any_batch(invariant_real, before, after):
-    model, pad = invariant_real.model, invariant_real.pad_token_id
-    alone = forward_logits(model, [TARGET], pad)  # [1, V]
+    model, pad, plan = invariant_real.model, invariant_real.pad_token_id, invariant_real.plan
+    alone = forward_logits(model, plan, [TARGET], pad)  # [1, V]
     sequences = [n[0] for n in before] + [TARGET] + [n[0] for n in after]
-    logits = forward_logits(model, sequences, pad)  # [B, V]
+    logits = forward_logits(model, plan, sequences, pad)  # [B, V]
     assert torch.equal(logits[len(before)], alone[0])
     params = [SamplingParams(logprobs_mode=m, temperature=t, label_token_ids=(1,), top_logprobs=2)
               for _, m, t in before] + [PARAMS] + [
@@ -57,12 +57,12 @@ def test_a_request_gives_the_same_bits_in_any_batch(invariant_real, before, afte
 @given(items=st.lists(st.lists(st.integers(100, 40000), min_size=1, max_size=40), min_size=1, max_size=6),
        other_query=tokens)
 def test_items_over_a_shared_prefix_give_the_same_bits_in_any_batch(invariant_real, items, other_query):
-    model, pad = invariant_real.model, invariant_real.pad_token_id
+    model, pad, plan = invariant_real.model, invariant_real.pad_token_id, invariant_real.plan
     query, item = TARGET[:45], tuple(TARGET[45:])
 
     def last_logits(prefixes, pairs):
-        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, prefixes, pad)))
-        return head_logits(model, forward_suffixes(model, [SuffixRow(states[tuple(p)], s) for p, s in pairs], pad))
+        states = dict(zip(map(tuple, prefixes), prefill_prefixes(model, plan, prefixes, pad)))
+        return head_logits(plan, forward_suffixes(model, plan, [SuffixRow(states[tuple(p)], s) for p, s in pairs], pad))
 
     alone = last_logits([query], [(query, item)])[0]
     batched = last_logits([other_query, query], [(other_query, tuple(items[0]))] + [(query, tuple(s)) for s in items]

@@ -73,9 +73,10 @@ def post_score(client, body: dict) -> dict:
 
 
 def test_fast_paths_pass_their_self_check(gemma):
-    paths = {check.name: check for check in gemma.fast_paths.checks}
+    paths = {check.name: check for check in gemma.plan.checks}
     assert paths["packed_batches"].enabled and paths["prepacked_linears"].enabled
-    assert not paths["shared_prefix"].enabled  # a sliding-window cache: items run from scratch
+    # a sliding-window cache: no key/value reuse; items reuse a copy of the whole cache where that proves exact
+    assert not paths["shared_prefix"].enabled and gemma.plan.prefix_reuse in ("whole_cache", "off")
 
 
 def test_a_prompt_longer_than_the_window(client, gemma, plain):

@@ -67,20 +67,20 @@ def test_the_model_is_read_from_the_loaded_config(tiny_loaded, memory):
 
 
 def test_forward_estimate_bounds_a_scoring_pass_with_its_sampler(tiny_loaded, memory):
-    model, vocab = tiny_loaded.model, tiny_loaded.vocab_size
+    model, plan, vocab = tiny_loaded.model, tiny_loaded.plan, tiny_loaded.vocab_size
     sequences = [_ids(WIDTH, r, vocab) for r in range(ROWS)]
     params = [sampler.SamplingParams(label_token_ids=tuple(range(vocab)), top_logprobs=20)] * ROWS
-    forward_logits(model, sequences[:2], tiny_loaded.pad_token_id)  # one-off kernel set-up is not the pass's
+    forward_logits(model, plan, sequences[:2], tiny_loaded.pad_token_id)  # one-off kernel set-up is not the pass's
     with PeakGrowth() as peak:
-        logits = forward_logits(model, sequences, tiny_loaded.pad_token_id)
+        logits = forward_logits(model, plan, sequences, tiny_loaded.pad_token_id)
         sampler.to_rows(sampler.score(logits, params), params)
     assert 0 < peak.bytes <= memory.forward_bytes(ROWS, ROWS * WIDTH, ROWS, longest=WIDTH)
 
 
 def test_cache_estimate_bounds_a_merge_and_a_selection(tiny_loaded, memory):
-    model, vocab = tiny_loaded.model, tiny_loaded.vocab_size
-    _, first = prefill(model, [_ids(WIDTH, 1, vocab)], tiny_loaded.pad_token_id)
-    _, second = prefill(model, [_ids(WIDTH - 10, 2, vocab)], tiny_loaded.pad_token_id)
+    model, plan, vocab = tiny_loaded.model, tiny_loaded.plan, tiny_loaded.vocab_size
+    _, first = prefill(model, plan, [_ids(WIDTH, 1, vocab)], tiny_loaded.pad_token_id)
+    _, second = prefill(model, plan, [_ids(WIDTH - 10, 2, vocab)], tiny_loaded.pad_token_id)
     first, second = select_rows(first, [0] * (ROWS // 2)), select_rows(second, [0] * (ROWS // 2))
     held = (ROWS // 2) * (2 * WIDTH - 10) * memory.kv_bytes_per_token  # both caches, before the merge
     with PeakGrowth() as merging:
@@ -96,15 +96,15 @@ def test_cache_estimate_bounds_a_merge_and_a_selection(tiny_loaded, memory):
 
 
 def test_decode_estimate_bounds_steps_that_grow_the_cache(tiny_loaded, memory):
-    model, vocab = tiny_loaded.model, tiny_loaded.vocab_size
-    _, batch = prefill(model, [_ids(WIDTH, 3, vocab)], tiny_loaded.pad_token_id)
+    model, plan, vocab = tiny_loaded.model, tiny_loaded.plan, tiny_loaded.vocab_size
+    _, batch = prefill(model, plan, [_ids(WIDTH, 3, vocab)], tiny_loaded.pad_token_id)
     batch = select_rows(batch, [0] * ROWS)
     draw = [sampler.SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=20)] * ROWS
-    decode_step(model, select_rows(batch, [0]), torch.tensor([5]))  # one-off kernel set-up
+    decode_step(model, plan, select_rows(batch, [0]), torch.tensor([5]))  # one-off kernel set-up
     steps = 8
     with PeakGrowth() as peak:
         for _ in range(steps):
-            logits = decode_step(model, batch, torch.full((ROWS,), 5))
+            logits = decode_step(model, plan, batch, torch.full((ROWS,), 5))
             sampler.sample(logits, draw, [None] * ROWS)
             sampler.score(logits, draw)
     width = WIDTH + steps

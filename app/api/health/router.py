@@ -39,7 +39,7 @@ async def models(request: Request):
         engine = state.engine
         cards.append({"id": engine.model_name, "object": "model", "created": state.started_at,
                       "owned_by": "genscore", "max_model_len": engine.max_prompt_tokens,
-                      "fast_paths": engine.loaded.fast_paths.as_dict()})
+                      "fast_paths": engine.loaded.plan.as_dict()})
     return {"object": "list", "data": cards}
 
 
