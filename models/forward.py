@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from models.head import head_logits
 from models.invariant import is_batch_invariant
-from models.packed import pack, supports_packing
+from models.packed import PACKED_ROW, pack, packed_ends, packed_row, supports_packing, to_device
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
 # overhead across every layer, plus the lower GEMM efficiency of a smaller call. Tuned on CPU
@@ -118,17 +118,18 @@ def _packed_hidden(
 ) -> torch.Tensor:
     """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
     input_ids, position_ids, boundaries = pack(sequences, model.device)
+    lengths = [len(seq) for seq in sequences]
     # All ones = no padding: for full-attention layers transformers then builds no mask at all (causal per prompt);
     # for layers with a window shorter than the row it builds the row's banded mask, whose diagonal blocks are
     # each prompt's own mask (packed attention reads them).
     no_padding = torch.ones_like(input_ids)
     hidden = model.base_model(
         input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
-        cu_seq_lens_q=boundaries,
+        cu_seq_lens_q=boundaries, **{PACKED_ROW: packed_row(model, lengths)},
     ).last_hidden_state[0]  # [T, H]
-    ends = boundaries[1:].tolist()
-    picked = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep_last)])
-    return hidden[picked.to(hidden.device)]  # [N, H]
+    ends = [int(end) for end in packed_ends(lengths)]  # on the host: nothing read back from the device
+    picked = torch.tensor([i for end, k in zip(ends, keep_last) for i in range(end - k, end)])
+    return hidden[to_device(picked, hidden.device)]  # [N, H]
 
 
 @torch.inference_mode()
