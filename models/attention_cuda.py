@@ -12,8 +12,9 @@ import torch
 log = logging.getLogger("genscore.models")
 
 VARLEN = "varlen"  # the kernel name models/packed.py's PackedRow carries
-# What flash attention computes in: anything else runs the per-segment loop.
+# What flash attention computes in and runs on: anything else runs the per-segment loop.
 _DTYPES = (torch.float16, torch.bfloat16)
+_DEVICE_TYPES = ("cuda",)
 _MAX_HEAD_DIM = 256
 
 
@@ -29,7 +30,7 @@ def _varlen():
 
 def varlen_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the varlen kernel cannot run a model on `device` in `dtype` (None: it can, subject to the self-check)."""
-    if device.type != "cuda":
+    if device.type not in _DEVICE_TYPES:
         return "varlen attention runs on CUDA only"
     if _varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
@@ -60,7 +61,7 @@ def segment_attention_fast(
     mask it cannot read as exactly that (one without a window to explain it) is refused.
     """
     found = _varlen()
-    if kernel != VARLEN or found is None or not query.is_cuda or query.dtype not in _DTYPES:
+    if kernel != VARLEN or found is None or query.device.type not in _DEVICE_TYPES or query.dtype not in _DTYPES:
         return None
     if attention_mask is not None and window is None:
         _refuse("a mask that is not a sliding window")
@@ -86,3 +87,26 @@ def segment_attention_fast(
             v = v.repeat_interleave(key_value_groups, dim=1)
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **extra)  # [T, H, D]
     return out[None]  # [1, T, H, D]
+
+
+VARLEN_PATH = "varlen_attention"  # its name among the fast paths (models/selfcheck.py)
+
+
+def install_varlen(model, batch_invariant: bool, check):
+    """Switch a packing model's attention to the varlen kernel where it can run, and keep it only if `check` (a
+    PathCheck of the scoring forward against the plain one, made with the kernel on) agrees."""
+    from models.packed import LOOP, use_kernel
+    from models.selfcheck import PathCheck
+
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    reason = varlen_refusal(model.device, model.dtype, head_dim)
+    if reason is None and batch_invariant:
+        reason = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
+    if reason is not None:
+        return PathCheck(VARLEN_PATH, False, None, reason)
+    use_kernel(model, VARLEN)
+    verdict = check()
+    if not verdict.enabled:
+        use_kernel(model, LOOP)
+    return verdict

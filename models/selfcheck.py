@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from models.attention_cuda import VARLEN_PATH, install_varlen
 from models.compiled import compile_layers, uncompile_layers
 from models.forward import forward_logits, run_one_at_a_time
 from models.head import head_logits, set_head_linear
@@ -310,6 +311,8 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
         if not padded.enabled:
             run_one_at_a_time(model)
         checks.append(padded)
+    if supports_packing(model) and model.device.type == "cuda":  # one attention call per layer (flash attention)
+        checks.append(install_varlen(model, batch_invariant, lambda: _check(VARLEN_PATH, tolerance, forward_error)))
 
     checks.append(_compile_check(model, compile, cache_dir, batch_invariant, tolerance, forward_error))
 
