@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+from models.float32_head import Float32Head, float32_logits
 from models.invariant import is_batch_invariant, tiled_head
 
 
@@ -50,6 +51,11 @@ def set_head_linear(model: PreTrainedModel, linear: nn.Module | None) -> None:
     _HEADS.pop(model, None)  # views are rebuilt around it
 
 
+def forget_head_views(model: PreTrainedModel) -> None:
+    """Drop the head views of `model`: the next head_logits builds them again around the current choices."""
+    _HEADS.pop(model, None)
+
+
 def head_linear(model: PreTrainedModel) -> nn.Module | None:
     """The module set_head_linear put in place of the model's lm_head, if any (its weights are held on top)."""
     return _HEAD_LINEARS.get(model)
@@ -61,7 +67,8 @@ def _head_view(model: PreTrainedModel) -> PreTrainedModel:
     A copy, not a swap on the model itself: the model's body stays in place for every other caller, and the
     view shares lm_head, config and any scale parameters with it (no weights are copied). For a batch-invariant
     model the view's lm_head runs in fixed row tiles (models/invariant.py); otherwise the view runs the module
-    set_head_linear gave it, if any. The model's own lm_head stays as it is.
+    set_head_linear gave it, if any, else (half precision) lm_head with a float32 product (models/float32_head.py).
+    The model's own lm_head stays as it is.
     """
     invariant = is_batch_invariant(model)
     views = _HEADS.setdefault(model, {})
@@ -77,6 +84,8 @@ def _head_view(model: PreTrainedModel) -> PreTrainedModel:
                 head._modules[name] = tiled_head(child)
             elif child is lm_head and model in _HEAD_LINEARS:
                 head._modules[name] = _HEAD_LINEARS[model]
+            elif child is lm_head and float32_logits(model, child):
+                head._modules[name] = Float32Head(child)
         views[invariant] = head
     return head
 
