@@ -82,5 +82,5 @@ def test_sampler_syncs_do_not_grow_with_the_batch():
     for batch in (4, 32):
         logits = torch.randn(batch, 1000) * 5
         params = [SamplingParams(label_token_ids=(1, 2, 3), top_logprobs=20)] * batch
-        counts.append(_count(lambda: sampler.score(logits, params)).syncs)
+        counts.append(_count(lambda logits=logits, params=params: sampler.score(logits, params)).syncs)
     assert counts[0] == counts[1] <= 2
