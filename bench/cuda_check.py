@@ -351,11 +351,15 @@ def section_http(args, device, spec: str) -> dict:
     try:
         for name, requests in workloads.items():
             for concurrency in (1, 8) if small else (1, 8, 32):
-                client = GenscoreClient(server.base_url, concurrency)
-                try:
-                    run = asyncio.run(closed_loop(client, requests, concurrency, warmup=2))
-                finally:
-                    asyncio.run(client.aclose())
+
+                async def cell(requests=requests, concurrency=concurrency):
+                    client = GenscoreClient(server.base_url, concurrency)
+                    try:
+                        return await closed_loop(client, requests, concurrency, warmup=2)
+                    finally:
+                        await client.aclose()
+
+                run = asyncio.run(cell())
                 prompts = sum(len(r.prompts) for r in requests)
                 tokens = sum(r.tokens for r in requests)
                 out["cells"].append({"workload": name, "concurrency": concurrency,
