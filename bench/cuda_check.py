@@ -372,6 +372,98 @@ def section_http(args, device, spec: str) -> dict:
     return out
 
 
+def section_engine(args, device, spec: str) -> dict:
+    """genscore's Engine in this process, no HTTP (the same batcher, scorer and response building as /score), on
+    short prompts at concurrency 1, 8, 32: how busy the device thread is (time inside Scorer.run_batch over wall
+    time), and where the event loop's thread spends its time at 32 (cProfile, top functions)."""
+    import cProfile
+    import io
+    import pstats
+
+    from app.api.score import serving
+    from app.api.score.protocol import ScoreRequest
+    from app.engine.core import Engine
+    from app.engine.device import device_thread
+    from app.engine.scoring import Scorer
+    from app.settings import Settings
+    from bench.loop import closed_loop
+    from bench.workload import items_workload, short_workload
+    from models import load_model
+
+    small = device.type != "cuda"
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    settings = Settings(model=spec, dtype=dtype, device=str(device), cache_dir=args.cache_dir)
+    thread = device_thread()
+    loaded = thread.submit(load_model, settings.model, settings.device, settings.dtype, settings.cache_dir).result()
+    workloads = {"short": short_workload(loaded.tokenizer, 8 if small else 128),
+                 "items": items_workload(loaded.tokenizer, 4 if small else 32)}
+    busy = [0.0, 0]  # seconds inside run_batch, batches
+    device_profile: list = [None]  # a cProfile.Profile of the device thread's batches, when one is wanted
+    original = Scorer.run_batch
+
+    def timed(self, works):
+        started = time.perf_counter()
+        profiler = device_profile[0]
+        if profiler is not None:
+            profiler.enable()
+        try:
+            return original(self, works)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            busy[0] += time.perf_counter() - started
+            busy[1] += 1
+
+    def top(profiler, lines: int = 25) -> list[str]:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
+        return [line for line in text.getvalue().splitlines() if line.strip()][:lines + 12]
+
+    Scorer.run_batch = timed
+    out: dict = {"dtype": dtype, "cells": []}
+
+    async def main() -> None:
+        engine = Engine(loaded, settings, device=thread)
+        engine.start()
+        await engine.warm_up()
+
+        async def call(request):
+            response = await serving.score(engine, ScoreRequest(**request.score_body()))
+            return [row["label_logprobs"] for row in response["data"]]
+
+        try:
+            for name, requests in workloads.items():
+                for concurrency in (1, 8) if small else (1, 8, 32):
+                    for request in requests[:2]:  # warm-up, outside the busy time
+                        await call(request)
+                    busy[:] = [0.0, 0]
+                    run = await closed_loop(call, requests, concurrency, warmup=0)
+                    out["cells"].append({"workload": name, "concurrency": concurrency,
+                                         "prompts_per_s": sum(len(r.prompts) for r in requests) / run.wall_s,
+                                         "p50_ms": run.percentile(0.5) * 1e3, "batches": busy[1],
+                                         "device_thread_busy": busy[0] / run.wall_s})
+            try:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                await closed_loop(call, workloads["short"], 8 if small else 32, warmup=0)
+                profiler.disable()
+                out["event_loop_profile_short_c32"] = top(profiler)
+                device_profile[0] = cProfile.Profile()
+                await closed_loop(call, workloads["items"], 1, warmup=0)
+                out["device_thread_profile_items_c1"] = top(device_profile[0], 30)
+            except Exception as exc:  # noqa: BLE001 - the cells above are kept
+                out["profile_error"] = f"{type(exc).__name__}: {exc}"
+            device_profile[0] = None
+        finally:
+            await engine.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        Scorer.run_batch = original
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -408,6 +500,7 @@ def main() -> int:
                                        "Gemma-3-270M shape, random weights"),
         "model": lambda: section_model(args, device, args.model, args.model),
         "http": lambda: section_http(args, device, args.model),
+        "engine": lambda: section_engine(args, device, args.model),
     }
     for name in args.sections.split(","):
         started = time.perf_counter()
