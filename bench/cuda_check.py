@@ -420,7 +420,7 @@ def section_engine(args, device, spec: str) -> dict:
         return [line for line in text.getvalue().splitlines() if line.strip()][:lines + 12]
 
     Scorer.run_batch = timed
-    out: dict = {"dtype": dtype, "cells": []}
+    out: dict = {"dtype": dtype, "fast_paths": loaded.fast_paths.as_dict(), "cells": []}
 
     async def main() -> None:
         engine = Engine(loaded, settings, device=thread)

@@ -110,3 +110,30 @@ def install_varlen(model, batch_invariant: bool, check):
     if not verdict.enabled:
         use_kernel(model, LOOP)
     return verdict
+
+
+def spanned_attention_fast(row, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_value_groups: int,
+                           scaling: float | None) -> torch.Tensor | None:
+    """Segments that read a span of other keys (a shared prefix's) before their own, in one varlen call: each
+    segment's keys gathered back to back (its span's, then its own), its queries aligned to the end of them, so
+    causal attention is the span plus its own tokens up to itself. [1, T, H, D], or None where it cannot run.
+
+    query [1, H, T, D]; key, value [1, H_kv, past + T, D]; row a models/packed.py PackedRow with key_index.
+    """
+    found = _varlen()
+    if (row.kernel != VARLEN or found is None or query.device.type not in _DEVICE_TYPES
+            or query.dtype not in _DTYPES or "window_size" not in found[1]):
+        return None
+    varlen_attn, params = found
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1).index_select(0, row.key_index)  # [sum of span + length, H_kv, D]
+    v = value[0].transpose(0, 1).index_select(0, row.key_index)
+    extra: dict = {"scale": scaling, "window_size": (-1, 0)}  # causal, aligned to each segment's last key
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(key_value_groups, dim=1)
+            v = v.repeat_interleave(key_value_groups, dim=1)
+    out = varlen_attn(q, k, v, row.cu_seqlens, row.cu_seqlens_k, row.max_length, row.max_key_length, **extra)
+    return out[None]  # [1, T, H, D]

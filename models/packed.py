@@ -47,6 +47,11 @@ class PackedRow:
     # Whether the caller built the row's mask itself (models/prefix.py): then a segment with an empty span sees
     # exactly its own tokens causally, by construction, with no need to look at the mask on the device.
     own_mask: bool = False
+    # For a kernel over spans (own_mask rows only): the key rows each segment reads, its span's then its own, back to
+    # back, [sum of (span + length)] int64, and their boundaries [n + 1] int32, on the device; the longest.
+    key_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_key_length: int = 0
 
     @property
     def lengths(self) -> list[int]:
@@ -68,12 +73,22 @@ def kernel_of(model: PreTrainedModel) -> str:
 
 
 def packed_row(model: PreTrainedModel, lengths: Sequence[int], spans: Sequence[tuple[int, int]] | None = None,
-               own_mask: bool = False) -> PackedRow:
-    """The PackedRow of segments of `lengths` laid back to back, for a call of `model` (its device, its kernel)."""
+               own_mask: bool = False, past: int = 0) -> PackedRow:
+    """The PackedRow of segments of `lengths` laid back to back, for a call of `model` (its device, its kernel);
+    `past`: key rows before the row's own (a shared prefix's states), which spans may point into."""
     bounds = [0, *packed_ends(lengths)]
     cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), model.device)
-    return PackedRow(tuple(bounds), cu_seqlens, max(lengths, default=0),
-                     None if spans is None else tuple((int(s), int(e)) for s, e in spans), kernel_of(model), own_mask)
+    spans = None if spans is None else tuple((int(s), int(e)) for s, e in spans)
+    kernel = kernel_of(model)
+    keys: dict = {}
+    if spans is not None and own_mask and kernel != LOOP and all(lengths):  # a kernel call has no empty segment
+        index = [k for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])
+                 for k in (*range(s, e), *range(past + a, past + b))]
+        sizes = [e - s + b - a for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])]
+        keys = {"key_index": to_device(torch.tensor(index, dtype=torch.long), model.device),
+                "cu_seqlens_k": to_device(torch.tensor([0, *packed_ends(sizes)], dtype=torch.int32), model.device),
+                "max_key_length": max(sizes, default=0)}
+    return PackedRow(tuple(bounds), cu_seqlens, max(lengths, default=0), spans, kernel, own_mask, **keys)
 
 
 def packed_ends(lengths: Sequence[int]) -> list[int]:
@@ -168,6 +183,13 @@ def packed_sdpa_attention(
     if not spanned:
         return segment_attention(query, key, value, attention_mask, row.cu_seqlens, list(row.bounds), row.max_length,
                                  groups, kwargs.get("scaling"), kwargs.get("sliding_window"), row.kernel), None
+    if row.key_index is not None:
+        # the caller's mask says exactly "its span, then its own tokens causally": a kernel over gathered keys
+        from models.attention_cuda import spanned_attention_fast
+
+        out = spanned_attention_fast(row, query, key, value, groups, kwargs.get("scaling"))
+        if out is not None:
+            return out, None
     if attention_mask is None:
         raise PackingUnsupported("a packed call over past states or spans must carry the mask of what each token sees")
     parts = []

@@ -436,7 +436,7 @@ def _packed_suffix_pass(model: PreTrainedModel, rows: Sequence[SuffixRow]) -> to
         if supports_packing(model):
             # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
             packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans,
-                       PACKED_ROW: packed_row(model, lengths, spans, own_mask=True)}
+                       PACKED_ROW: packed_row(model, lengths, spans, own_mask=True, past=past)}
         hidden = model.base_model(
             input_ids=to_device(input_ids, device),
             attention_mask=to_device(segments.mask(past)[None, None], device),  # [1, 1, T, past + T]

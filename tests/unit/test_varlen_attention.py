@@ -22,24 +22,27 @@ PARAMS = frozenset({"scale", "window_size", "enable_gqa"})
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
                   honour_window=True):
-    """What flash attention's varlen kernel computes: per segment, query i sees key j when
-    i - left <= j <= i + right (a negative bound is no bound). q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
+    """What flash attention's varlen kernel computes: per segment, its queries aligned to the end of its keys (a
+    segment of Lq queries over Lk keys puts query i at key position i + Lk - Lq), query i sees key j when
+    i' - left <= j <= i' + right for that position i' (a negative bound is no bound).
+    q [Tq, H, D]; k, v [Tk, H_kv, D] -> [Tq, H, D]."""
     assert q.shape[1] == k.shape[1] or enable_gqa
     left, right = window_size if honour_window else (-1, 0)
     out = torch.empty_like(q)
-    bounds = cu_q.numpy().tolist()  # the stand-in reads them on the host; the real kernel on the device
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)  # [H, L, D]
+    # the stand-in reads the boundaries on the host; the real kernel reads them on the device
+    q_bounds, k_bounds = cu_q.numpy().tolist(), cu_k.numpy().tolist()
+    for a, b, c, d in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)  # [H, L, D]
         ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], 0)
         vs = vs.repeat_interleave(qs.shape[0] // vs.shape[0], 0)
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None]
-        sees = torch.ones(b - a, b - a, dtype=torch.bool)
+        i = torch.arange(b - a)[:, None] + (d - c) - (b - a)  # each query's position among the keys
+        j = torch.arange(d - c)[None]
+        sees = torch.ones(b - a, d - c, dtype=torch.bool)
         if right >= 0:
             sees &= j <= i + right
         if left >= 0:
             sees &= j >= i - left
-        scores = qs @ ks.transpose(1, 2) * (scale if scale is not None else qs.shape[-1] ** -0.5)  # [H, L, L]
+        scores = qs @ ks.transpose(1, 2) * (scale if scale is not None else qs.shape[-1] ** -0.5)  # [H, Lq, Lk]
         out[a:b] = (scores.masked_fill(~sees, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
     return out
 
@@ -140,3 +143,37 @@ def test_a_kernel_that_drops_the_window_is_switched_off(on_cpu):
 def test_varlen_is_refused_off_cuda_and_for_float32():
     assert attention_cuda.varlen_refusal(torch.device("cpu"), torch.bfloat16, 64) is not None
     assert attention_cuda.varlen_refusal(torch.device("cuda"), torch.float32, 64) is not None
+
+
+def test_varlen_over_shared_prefixes_gives_the_plain_forward(on_cpu):
+    """Suffixes over a prefix's states, and prefixes run with their suffixes in one call, through the varlen kernel
+    over gathered keys: each suffix's last positions as in a plain pass of prefix + suffix."""
+    from models.head import head_logits
+    from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, prefill_with_suffixes, use_packed_suffixes
+
+    model = _model(None)
+    generator = torch.Generator().manual_seed(2)
+    prefixes = [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (12, 30)]
+    rows = [(0, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((5, 2), (9, 1))]
+    rows += [(1, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((3, 4), (17, 3))]
+    with torch.inference_mode():
+        expected = torch.cat([model(torch.tensor([prefixes[p] + s])).logits[0, len(prefixes[p]) + len(s) - k:]
+                              for p, s, k in rows])
+    use_packed_attention(model)
+    use_packed_suffixes(model)
+    use_kernel(model, attention_cuda.VARLEN)
+    calls = []
+    real = attention_cuda.spanned_attention_fast
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    on_cpu.setattr(attention_cuda, "spanned_attention_fast", spy)
+    _, hidden = prefill_with_suffixes(model, prefixes, rows, 0)
+    torch.testing.assert_close(head_logits(model, hidden), expected, atol=1e-4, rtol=0)
+    states = prefill_prefixes(model, prefixes, 0)
+    hidden = forward_suffixes(model, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], 0)
+    torch.testing.assert_close(head_logits(model, hidden), expected, atol=1e-4, rtol=0)
+    assert calls and all(calls), "every spanned call ran the varlen kernel"
