@@ -1,13 +1,14 @@
 """One-shot check and measurement of the CUDA path on a lent GPU machine: `python bench/cuda_check.py --out DIR`.
 
 Sections (--sections, all by default): env; gemm (the bf16 and fp32 matmul peaks); varlen (the packed-attention op's
-varlen kernel against the per-segment loop on the same inputs: max |difference| and ms); then per model (--model: a
-GGUF file, a bundled name or an HF folder; --random-gemma: Gemma-3-270M's shape with random weights): accuracy
-against plain float32 transformers (max and p95 over each prompt's top-20 tokens), in-process throughput with and
-without varlen, kernels (profiler) and syncs (sync debug mode and the op counter) of one forward, the GEMM roofline
-share, mem_get_info against the memory budget; http: /score over HTTP at concurrency 1, 8, 32 on short, items
-and long-items. Results go to DIR/cuda_check.json after every section (a run cut short keeps what it measured).
-`--device cpu` dry-runs every step on small sizes.
+varlen kernel against the per-segment loop on the same inputs: max |difference| and ms); then per model (`model`:
+--model, a GGUF file, a bundled name or an HF folder, random weights for a folder without any; `gemma`:
+Gemma-3-270M's shape with random weights): accuracy against plain float32 transformers (max and p95 over each
+prompt's top-20 tokens), in-process throughput with and without varlen, kernels (profiler) and syncs (sync debug
+mode and the op counter) of one forward, the GEMM roofline share, mem_get_info against the memory budget; http:
+/score over HTTP at concurrency 1, 8, 32 on short, items and long-items; engine: the same Engine without HTTP, with
+the device thread's busy share and profiles. Results go to DIR/cuda_check.json after every section (a run cut
+short keeps what it measured). `--device cpu --dtypes float32` dry-runs every step on small sizes.
 """
 
 from __future__ import annotations
