@@ -10,9 +10,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sampler import LogprobsMode
 
+
+def _logprobs_mode(value: str) -> LogprobsMode:
+    # a function, not the enum class itself: on Python 3.12 pydantic cannot read the enum's signature (*values)
+    return LogprobsMode(value)
+
+
 # A logprobs mode read as its value (`raw_logprobs`): typed as the values' Literal, not as the enum, because
 # pydantic-settings lists an enum's member names (RAW_LOGPROBS) in --help; converted to the enum once read.
-LogprobsModeSetting = Annotated[Literal[tuple(m.value for m in LogprobsMode)], AfterValidator(LogprobsMode)]
+LogprobsModeSetting = Annotated[Literal[tuple(m.value for m in LogprobsMode)], AfterValidator(_logprobs_mode)]
 
 
 class Settings(BaseSettings):

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models.head import head_logits
-from models.packed import pack
+from models.packed import PACKED_ROW, pack, packed_ends, packed_row, to_device
 from models.plan import ForwardPlan
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
@@ -113,7 +113,7 @@ def _picked_hidden(
         return hidden[:, -1, :]  # [B, H]
     rows = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor(list(keep_last)))
     cols = torch.cat([torch.arange(width - k, width) for k in keep_last])
-    return hidden[rows.to(device), cols.to(device)]  # [N, H]
+    return hidden[to_device(rows, device), to_device(cols, device)]  # [N, H]
 
 
 def _packed_hidden(
@@ -121,17 +121,18 @@ def _packed_hidden(
 ) -> torch.Tensor:
     """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
     input_ids, position_ids, boundaries = pack(sequences, model.device)
+    lengths = [len(seq) for seq in sequences]
     # All ones = no padding: for full-attention layers transformers then builds no mask at all (causal per prompt);
     # for layers with a window shorter than the row it builds the row's banded mask, whose diagonal blocks are
     # each prompt's own mask (packed attention reads them).
     no_padding = torch.ones_like(input_ids)
     hidden = plan.body(
         input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
-        cu_seq_lens_q=boundaries,
+        cu_seq_lens_q=boundaries, **{PACKED_ROW: packed_row(model.device, plan.attention_kernel, lengths)},
     ).last_hidden_state[0]  # [T, H]
-    ends = boundaries[1:].tolist()
-    picked = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep_last)])
-    return hidden[picked.to(hidden.device)]  # [N, H]
+    ends = [int(end) for end in packed_ends(lengths)]  # on the host: nothing read back from the device
+    picked = torch.tensor([i for end, k in zip(ends, keep_last) for i in range(end - k, end)])
+    return hidden[to_device(picked, hidden.device)]  # [N, H]
 
 
 @torch.inference_mode()
@@ -182,4 +183,4 @@ def forward_logits(
         starts[i] = offset
         offset += keep[i]
     restore = torch.cat([torch.arange(starts[i], starts[i] + keep[i]) for i in range(len(sequences))])
-    return head_logits(plan, picked[restore.to(picked.device)])
+    return head_logits(plan, picked[to_device(restore, picked.device)])

@@ -11,6 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+from models.float32_head import Float32Head, float32_applies
+
 if TYPE_CHECKING:
     from models.plan import ForwardPlan
 
@@ -42,13 +44,16 @@ def _stand_in(body: nn.Module) -> nn.Module:
     return stand_in
 
 
-def build_head(model: PreTrainedModel, body: nn.Module, lm_head: nn.Module | None = None) -> PreTrainedModel:
+def build_head(model: PreTrainedModel, body: nn.Module, lm_head: nn.Module | None = None,
+               float32_logits: bool = True) -> PreTrainedModel:
     """A view of `model` that runs only what its forward does after `body`, on hidden states it is given.
 
     A copy, not a swap on the model itself: the body stays in place for every other caller, and the view shares
     lm_head, config and any scale parameters with the model. Each module on the path to the body is copied with a
     fresh child dict, so replacing the body touches none of the model's own. `lm_head`: a module to run in place
-    of the model's lm_head in the view (a pre-packed or row-tiled copy); the model's own stays as it is.
+    of the model's lm_head in the view (a pre-packed or row-tiled copy); the model's own stays as it is. Without
+    one, a half-precision plain linear lm_head runs through Float32Head (models/float32_head.py) unless
+    `float32_logits` is False: its product kept in float32 instead of rounded to the model's dtype first.
     """
     own_head = model.get_output_embeddings()
     path = next(name for name, module in model.named_modules() if module is body).split(".")
@@ -61,6 +66,8 @@ def build_head(model: PreTrainedModel, body: nn.Module, lm_head: nn.Module | Non
         parent._modules[name] = child
         parent = child
     parent._modules[path[-1]] = _stand_in(body)
+    if lm_head is None and float32_logits and float32_applies(model, own_head):
+        lm_head = Float32Head(own_head)
     if lm_head is not None:
         for name, child in model.named_children():
             if child is own_head:

@@ -124,16 +124,25 @@ def _read_kwargs(dtype: torch.dtype, optimize: bool) -> dict:
     return {"disable_mmap": True} if optimize and dtype == torch.float32 else {}
 
 
-def _load_pretrained(source: ModelSource, dtype: torch.dtype, cache_root: Path | None, optimize: bool):
-    """Load tokenizer and model; a GGUF file is dequantized once and cached as safetensors."""
+def _placement(device: torch.device) -> dict:
+    """Where from_pretrained puts the weights: straight onto a GPU (no full copy in host memory first, so a model
+    larger than the host's share fits if the GPU holds it); on CPU where they are read anyway."""
+    return {"device_map": str(device)} if device.type == "cuda" else {}
+
+
+def _load_pretrained(source: ModelSource, dtype: torch.dtype, cache_root: Path | None, optimize: bool,
+                     device: torch.device = torch.device("cpu")):
+    """Load tokenizer and model; a GGUF file is dequantized once (on the host) and cached as safetensors."""
     if source.gguf_file is None:
         tokenizer = AutoTokenizer.from_pretrained(source.location)
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **_read_kwargs(dtype, optimize))
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **_read_kwargs(dtype, optimize),
+                                                     **_placement(device))
         return tokenizer, model
     cached = _gguf_cache_dir(source, cache_root) if cache_root is not None else None
     if cached is not None and (cached / "config.json").is_file():
         log.info("loading converted GGUF weights from cache %s", cached)
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **_read_kwargs(dtype, optimize))
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **_read_kwargs(dtype, optimize),
+                                                     **_placement(device))
         return AutoTokenizer.from_pretrained(cached), model
     kwargs = {"gguf_file": source.gguf_file}
     tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
@@ -177,7 +186,7 @@ def load_model(
                     "float32, which --dtype auto or float32 serves here", missing)
     source = resolve_source(spec)
     try:
-        tokenizer, model = _load_pretrained(source, torch_dtype, cache_dir, optimize)
+        tokenizer, model = _load_pretrained(source, torch_dtype, cache_dir, optimize, torch_device)
     except OSError as exc:  # hub id not found / offline without a cached copy
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}") from exc
     model.to(torch_device).eval()

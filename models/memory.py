@@ -235,8 +235,12 @@ def budget_for(limit: int | None, physical: int) -> int:
     return int(physical * PHYSICAL_MEMORY_SHARE)
 
 
-def default_memory_budget() -> int:
-    """This process's budget: its cgroup's limit minus headroom, else half of the machine's memory."""
+def default_memory_budget(device: torch.device | None = None) -> int:
+    """This process's budget: on a GPU, the device memory it can reach (free now plus what torch already holds)
+    minus headroom; else its cgroup's limit minus headroom, else half of the machine's memory."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return budget_for(free + torch.cuda.memory_reserved(device), physical_memory_bytes())
     return budget_for(memory_limit_bytes(), physical_memory_bytes())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ PACKED_ATTENTION = "genscore_packed_sdpa"
 # Keyword of a packed call over past states (models/prefix.py): for each segment, the [start, end) of the past
 # keys it reads, [n, 2]. Segments of several prefixes then share one call, each group reading only its own prefix.
 PAST_SPANS = "past_spans"
+# Keyword of a packed call: its PackedRow (the boundaries on host and device, the spans, the kernel to run).
+PACKED_ROW = "packed_row"
 
 
 class PackingUnsupported(RuntimeError):
@@ -30,14 +33,78 @@ _HONOURED = {"dropout", "scaling", "is_causal", "sliding_window", "position_ids"
 SUFFIX_GROUP_TOKENS = 256
 
 
-def _is_causal(block: torch.Tensor) -> bool:
-    """Whether a [1, 1, L, L] mask block is exactly the boolean causal mask."""
-    length = block.shape[-1]
-    return (block.dtype == torch.bool and block.shape[1] == 1 and block.shape[-2] == length
-            and torch.equal(block[0, 0], torch.ones(length, length, dtype=torch.bool, device=block.device).tril_()))
+@dataclass(frozen=True)
+class PackedRow:
+    """What every attention layer of one packed call needs to know about the row, built once per call: the segment
+    boundaries on the host (so no layer reads them back from the device) and on the device (for a varlen kernel)."""
+
+    bounds: tuple[int, ...]  # [n + 1] host: segment i is bounds[i]:bounds[i + 1] of the row
+    cu_seqlens: torch.Tensor  # [n + 1] int32 on the model's device, the same boundaries
+    max_length: int  # the longest segment
+    spans: tuple[tuple[int, int], ...] | None = None  # per segment, the [start, end) of the past keys it reads
+    kernel: str = "loop"  # the implementation of the one packed-attention op (segment_attention)
+    # Whether the caller built the row's mask itself (models/prefix.py): then a segment with an empty span sees
+    # exactly its own tokens causally, by construction, with no need to look at the mask on the device.
+    own_mask: bool = False
+    # For a kernel over spans (own_mask rows only): the key rows each segment reads, its span's then its own, back to
+    # back, [sum of (span + length)] int64, and their boundaries [n + 1] int32, on the device; the longest.
+    key_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_key_length: int = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])]
 
 
-def _groups(bounds: list[int], spans: list[tuple[int, int]], group_tokens: int) -> list[tuple[int, int, int, int]]:
+LOOP = "loop"  # per-segment SDPA: the reference implementation, and the fallback
+
+
+def packed_row(device: torch.device, kernel: str, lengths: Sequence[int],
+               spans: Sequence[tuple[int, int]] | None = None, own_mask: bool = False, past: int = 0) -> PackedRow:
+    """The PackedRow of segments of `lengths` laid back to back, for a call on `device` through `kernel` (the plan's
+    attention_kernel, models/plan.py); `past`: key rows before the row's own (a shared prefix's states), which spans
+    may point into."""
+    bounds = [0, *packed_ends(lengths)]
+    cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), device)
+    spans = None if spans is None else tuple((int(s), int(e)) for s, e in spans)
+    keys: dict = {}
+    if spans is not None and own_mask and kernel != LOOP and all(lengths):  # a kernel call has no empty segment
+        index = [k for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])
+                 for k in (*range(s, e), *range(past + a, past + b))]
+        sizes = [e - s + b - a for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])]
+        keys = {"key_index": to_device(torch.tensor(index, dtype=torch.long), device),
+                "cu_seqlens_k": to_device(torch.tensor([0, *packed_ends(sizes)], dtype=torch.int32), device),
+                "max_key_length": max(sizes, default=0)}
+    return PackedRow(tuple(bounds), cu_seqlens, max(lengths, default=0), spans, kernel, own_mask, **keys)
+
+
+def packed_ends(lengths: Sequence[int]) -> list[int]:
+    """Where each of segments of `lengths` laid back to back ends in the row."""
+    ends, end = [], 0
+    for length in lengths:
+        end += length
+        ends.append(end)
+    return ends
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without blocking, so the copy queues behind the work
+    already in flight instead of waiting for it."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _causal_block(length: int, window: int | None, own_mask: bool) -> bool:
+    """Whether a segment's diagonal block of the row's mask is plain causal attention, known on the host: the caller
+    built the mask (own_mask) or the layer's sliding window covers the whole segment (every earlier token is in
+    reach). Otherwise the block is used as the model built it."""
+    return own_mask or (window is not None and length <= window)
+
+
+def _groups(bounds: Sequence[int], spans: Sequence[tuple[int, int]], group_tokens: int
+            ) -> list[tuple[int, int, int, int]]:
     """Consecutive segments [a, b) of the row that read the same past span [s, e), merged while a group spans at
     most group_tokens (a longer one alone): (a, b, s, e) per group."""
     groups: list[tuple[int, int, int, int]] = []
@@ -59,17 +126,19 @@ def packed_sdpa_attention(
     attention_mask: torch.Tensor | None,  # None or [1, 1, T, past + T], the mask for the whole row
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA; when the call carries `cu_seq_lens_q` (segment boundaries in the packed row), SDPA per segment.
+    """SDPA; when the call is packed (PACKED_ROW, or `cu_seq_lens_q` alone: segment boundaries in the row), attention
+    kept inside each segment.
 
-    Without a past (packed prompts), each segment is one prompt. Per prompt, not one block-diagonal mask over
-    the whole row: a mask would cost (sum of lengths)^2 attention work, per prompt it is the sum of squares, the
-    same as unpacked prompts. Each prompt gets its diagonal block of the mask the model built for the row (so
-    a sliding window, or any other pattern that depends only on the distance between tokens, is kept), or plain
-    causal attention where the model built none or the block is causal.
+    Without a past (packed prompts), each segment is one prompt, and the layer makes one call of the packed-attention
+    op (segment_attention): per prompt, not one block-diagonal mask over the whole row (a mask would cost (sum of
+    lengths)^2 attention work, per prompt it is the sum of squares, the same as unpacked prompts). Each prompt gets its
+    diagonal block of the mask the model built for the row (so a sliding window, or any other pattern that depends
+    only on the distance between tokens, is kept), or plain causal attention where the model built none or the block
+    is causal.
 
     With a past (packed suffixes, models/prefix.py), the caller's mask says what each suffix token sees: its
-    prefix's part of the past (all of it, unless PAST_SPANS says which part) and its own suffix. Without a past,
-    PAST_SPANS may point into the row itself: a prefix prefilled in the same call as its suffixes (its own span
+    prefix's part of the past (all of it, unless the spans say which part) and its own suffix. Without a past,
+    spans may point into the row itself: a prefix prefilled in the same call as its suffixes (its own span
     empty). Segments that read the same part are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a
     group attends to that part plus its own keys under its block of that mask, instead of every query to all
     past + T keys: the keys it skips are masked out for it anyway.
@@ -78,8 +147,9 @@ def packed_sdpa_attention(
     rather than being dropped.
     """
     boundaries = kwargs.pop("cu_seq_lens_q", None)
+    row: PackedRow | None = kwargs.pop(PACKED_ROW, None)
     past_spans = kwargs.pop(PAST_SPANS, None)
-    if boundaries is None:
+    if boundaries is None and row is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
     if unknown or not getattr(module, "is_causal", True):
@@ -87,37 +157,83 @@ def packed_sdpa_attention(
                                  f"{unknown or ['is_causal=False']}")
     kwargs.pop("is_causal", None)
     past = key.shape[2] - query.shape[2]
-    spanned = past > 0 or past_spans is not None  # queries that also read keys outside their own segment
+    if row is None:  # a caller that passes the boundaries alone: read them here, once per layer
+        bounds = boundaries.tolist()
+        spans = None if past_spans is None else [tuple(s) for s in past_spans.tolist()]
+        row = PackedRow(tuple(bounds), boundaries, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), spans)
+    spanned = past > 0 or row.spans is not None  # queries that also read keys outside their own segment
+    groups = getattr(module, "num_key_value_groups", 1)
     if torch.compiler.is_compiling() and not spanned:
         # A compiled layer (models/compiled.py) calls the per-prompt loop below as one opaque op: its Python
         # loop over boundaries would otherwise break the graph in every layer.
-        groups = getattr(module, "num_key_value_groups", 1)
         return packed_attention(query, key, value, attention_mask, boundaries, groups,
                                 kwargs.get("scaling"), kwargs.get("dropout") or 0.0), None
-    if spanned and attention_mask is None:
+    if not spanned:
+        return segment_attention(query, key, value, attention_mask, row.cu_seqlens, list(row.bounds), row.max_length,
+                                 groups, kwargs.get("scaling"), kwargs.get("sliding_window"), row.kernel), None
+    if row.key_index is not None:
+        # the caller's mask says exactly "its span, then its own tokens causally": a kernel over gathered keys
+        from models.attention_cuda import spanned_attention_fast
+
+        out = spanned_attention_fast(row, query, key, value, groups, kwargs.get("scaling"))
+        if out is not None:
+            return out, None
+    if attention_mask is None:
         raise PackingUnsupported("a packed call over past states or spans must carry the mask of what each token sees")
-    bounds = boundaries.tolist()
     parts = []
-    if spanned:
-        spans = [(0, past)] * (len(bounds) - 1) if past_spans is None else [tuple(s) for s in past_spans.tolist()]
-        for a, b, s, e in _groups(bounds, spans, SUFFIX_GROUP_TOKENS):
-            own = slice(past + a, past + b)
+    spans = [(0, past)] * (len(row.bounds) - 1) if row.spans is None else row.spans
+    for a, b, s, e in _groups(row.bounds, spans, SUFFIX_GROUP_TOKENS):
+        own = slice(past + a, past + b)
+        if s == e and _causal_block(b - a, None, row.own_mask):
+            # a prefix of its own: the causal kernel over its own keys, no copies and no mask
+            keys, values, block = key[:, :, own], value[:, :, own], None
+        else:
             keys = torch.cat([key[:, :, s:e], key[:, :, own]], dim=2)  # [1, H_kv, e - s + L, D]
             values = torch.cat([value[:, :, s:e], value[:, :, own]], dim=2)
             block = torch.cat([attention_mask[:, :, a:b, s:e], attention_mask[:, :, a:b, own]], dim=-1)
-            block = None if s == e and _is_causal(block) else block  # a prefix of its own: the causal kernel
-            parts.append(sdpa_attention_forward(
-                module, query[:, :, a:b], keys, values, block, is_causal=block is None, **kwargs
-            )[0])  # [1, L, H, D]
-        return torch.cat(parts, dim=1), None  # [1, T, H, D]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
-        if block is not None and _is_causal(block):
-            block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
         parts.append(sdpa_attention_forward(
-            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None, **kwargs
+            module, query[:, :, a:b], keys, values, block, is_causal=block is None, **kwargs
         )[0])  # [1, L, H, D]
     return torch.cat(parts, dim=1), None  # [1, T, H, D]
+
+
+@torch.library.custom_op("genscore::segment_attention", mutates_args=())
+def segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, bounds: list[int], max_length: int, key_value_groups: int, scaling: float | None,
+    window: int | None, kernel: str,
+) -> torch.Tensor:
+    """The one packed-attention op of a layer: causal attention inside each segment of a packed row, [1, T, H, D].
+
+    One op, several implementations, the same numbers: `kernel` names one the load-time self-check proved for the
+    model (models/attention_cuda.py on a GPU); any call it cannot honour, and LOOP, run one SDPA call per segment.
+    query [1, H, T, D]; key, value [1, H_kv, T, D]; attention_mask None or the row's [1, 1, T, T]; cu_seqlens the
+    boundaries on the device, bounds the same on the host; window the layer's sliding window, if any.
+    """
+    if kernel != LOOP:
+        from models.attention_cuda import segment_attention_fast
+
+        out = segment_attention_fast(kernel, query, key, value, attention_mask, cu_seqlens, max_length,
+                                     key_value_groups, scaling, window)
+        if out is not None:
+            return out
+    layer = _AttentionLayer(key_value_groups)
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
+        if block is not None and _causal_block(b - a, window, False):
+            block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
+        parts.append(sdpa_attention_forward(
+            layer, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None,
+            scaling=scaling, dropout=0.0,
+        )[0])  # [1, L, H, D]
+    return torch.cat(parts, dim=1)  # [1, T, H, D]
+
+
+@segment_attention.register_fake
+def _(query, key, value, attention_mask, cu_seqlens, bounds, max_length, key_value_groups, scaling, window, kernel):
+    batch, heads, tokens, dim = query.shape
+    return query.new_empty((batch, tokens, heads, dim))
 
 
 @dataclass(frozen=True)
@@ -160,13 +276,12 @@ def use_packed_attention(model: PreTrainedModel) -> bool:
     return True
 
 
-def pack(sequences: list[list[int]], device: torch.device):
-    """One row holding every sequence back to back: ids, position ids [1, T] and prompt boundaries [n + 1]."""
-    lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
-    boundaries = torch.zeros(len(sequences) + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=boundaries[1:])
-    input_ids = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)[None]
+def pack(sequences: Sequence[Sequence[int]], device: torch.device):
+    """One row holding every sequence back to back: ids, position ids [1, T] on `device`, and prompt boundaries
+    [n + 1] on the host (as a tensor, for callers that pass `cu_seq_lens_q`)."""
+    bounds = [0, *packed_ends([len(seq) for seq in sequences])]
+    # Built as Python lists and copied once each: no host-side ops per token, one upload per tensor.
+    input_ids = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)[None]  # [1, T]
     # Positions restart at 0 for each prompt, so each sees exactly the positions it would see alone.
-    starts = torch.repeat_interleave(boundaries[:-1], lengths)
-    position_ids = (torch.arange(input_ids.shape[1]) - starts)[None]
-    return input_ids.to(device), position_ids.to(device), boundaries
+    position_ids = torch.tensor([i for seq in sequences for i in range(len(seq))], dtype=torch.long)[None]  # [1, T]
+    return to_device(input_ids, device), to_device(position_ids, device), torch.tensor(bounds, dtype=torch.long)

@@ -45,6 +45,9 @@ class ForwardPlan:
     decoding: Decoding = "recompute"
     batch_invariant: bool = False  # linears run in fixed row tiles and layouts do not depend on neighbours
     compiled: bool = False  # decoder layers run compiled on packed calls (models/compiled.py)
+    # The implementation of the packed-attention op (models/packed.py segment_attention): "loop", one SDPA call per
+    # segment, or "varlen", one flash-attention call per layer (models/attention_cuda.py, CUDA only).
+    attention_kernel: str = "loop"
     held_head: nn.Module | None = None  # a module the head holds beside the model's weights (a pre-packed lm_head)
     checks: tuple[PathCheck, ...] = ()
     tolerance: float | None = None
@@ -63,5 +66,6 @@ class ForwardPlan:
         """What /v1/models reports: each decision, and each path's verdict with its reason."""
         return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3), "layout": self.layout,
                 "prefix_reuse": self.prefix_reuse, "decoding": self.decoding,
-                "batch_invariant": self.batch_invariant, "stateful_layers": list(self.stateful_layers),
+                "attention_kernel": self.attention_kernel, "batch_invariant": self.batch_invariant,
+                "stateful_layers": list(self.stateful_layers),
                 "paths": [asdict(check) for check in self.checks]}

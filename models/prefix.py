@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicLayer
 
 from models.body import cache_kwarg
 from models.forward import pack_tokens, pad_left, plan_packs
-from models.packed import PACKED_ATTENTION, PAST_SPANS, pack
+from models.packed import PACKED_ATTENTION, PACKED_ROW, PAST_SPANS, pack, packed_ends, packed_row, to_device
 from models.plan import ForwardPlan
 
 # On a batch-invariant model a suffix is right-padded to a multiple of this many tokens and batched only with
@@ -137,8 +137,10 @@ def prefill_prefixes(model: PreTrainedModel, plan: ForwardPlan, prefixes: Sequen
         hidden = plan.body(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
             use_cache=True, cu_seq_lens_q=boundaries, **{cache_kwarg(plan.body): cache},
+            **{PACKED_ROW: packed_row(device, plan.attention_kernel, [len(prefix) for prefix in prefixes])},
         ).last_hidden_state[0]  # [sum of lengths, H]
-        spans = list(zip(boundaries[:-1].tolist(), boundaries[1:].tolist()))  # each prefix's [start, end)
+        ends = packed_ends([len(prefix) for prefix in prefixes])
+        spans = list(zip([0, *ends[:-1]], ends))  # each prefix's [start, end)
         return [_kept_prefix(tokens, cache, 0, start, end, hidden[end - 1]) for tokens, (start, end) in zip(prefixes, spans)]
     input_ids, attention_mask, position_ids = pad_left(prefixes, pad_token_id, device)
     hidden = plan.body(
@@ -226,12 +228,14 @@ def _prefix_and_suffixes_pass(model: PreTrainedModel, plan: ForwardPlan, prefixe
     device = model.device
     cache = DynamicCache(config=model.config)
     hidden = plan.body(
-        input_ids=torch.tensor(tokens, dtype=torch.long)[None].to(device),
-        attention_mask=segments.mask(0)[None, None].to(device), position_ids=segments.positions[None].to(device),
+        input_ids=to_device(torch.tensor(tokens, dtype=torch.long)[None], device),
+        attention_mask=to_device(segments.mask(0)[None, None], device),
+        position_ids=to_device(segments.positions[None], device),
         use_cache=True, cu_seq_lens_q=segments.boundaries, **{PAST_SPANS: segments.spans},
+        **{PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True)},
         **{cache_kwarg(plan.body): cache},
     ).last_hidden_state[0]  # [T, H]
-    bounds = segments.boundaries.tolist()  # segment i is bounds[i]:bounds[i + 1]
+    bounds = [0, *packed_ends(lengths)]  # segment i is bounds[i]:bounds[i + 1]
     out = []
     segment = 0  # the prefix's segment; its suffixes' follow it
     for prefix, rows in zip(prefixes, suffixes):
@@ -344,8 +348,8 @@ def _suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequence[Suffi
             for i in range(n_layers)
         ]
         hidden = plan.body(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device), use_cache=True, **{cache_kwarg(plan.body): cache},
+            input_ids=to_device(input_ids, device), attention_mask=to_device(attention_mask, device),
+            position_ids=to_device(position_ids, device), use_cache=True, **{cache_kwarg(plan.body): cache},
         ).last_hidden_state  # [B, S, H]
 
     return _kept_states(rows, [None if hidden is None else hidden[b, : len(row.suffix)] for b, row in enumerate(rows)])
@@ -401,8 +405,8 @@ def _packed_suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequenc
     total = sum(lengths)
     hidden = None
     if total:
-        segments = _Segments(lengths, [(starts[id(row.prefix)], starts[id(row.prefix)] + row.prefix.length)
-                                       for row in rows], [row.prefix.length for row in rows])
+        spans = [(starts[id(row.prefix)], starts[id(row.prefix)] + row.prefix.length) for row in rows]
+        segments = _Segments(lengths, spans, [row.prefix.length for row in rows])
         input_ids = torch.tensor([token for row in rows for token in row.suffix], dtype=torch.long)[None]  # [1, T]
         cache = DynamicCache(config=model.config)
         cache.layers = [
@@ -413,10 +417,12 @@ def _packed_suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequenc
         packing = {}
         if plan.layout == "packed":
             # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
-            packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans}
+            packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans,
+                       PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True, past=past)}
         hidden = plan.body(
-            input_ids=input_ids.to(device), attention_mask=segments.mask(past)[None, None].to(device),  # [1, 1, T, past + T]
-            position_ids=segments.positions[None].to(device), use_cache=True,
+            input_ids=to_device(input_ids, device),
+            attention_mask=to_device(segments.mask(past)[None, None], device),  # [1, 1, T, past + T]
+            position_ids=to_device(segments.positions[None], device), use_cache=True,
             **{cache_kwarg(plan.body): cache}, **packing,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, runs_varlen_on
 from models.body import find_body, returned_cache
 from models.cache_reuse import stateful_layers
 from models.compiled import compile_layers, uncompile_layers
@@ -45,6 +46,8 @@ RUNS_FROM_SCRATCH = "no layer carries state: items run from scratch with the res
 UNPACKED_WHEN_INVARIANT = "batch-invariant: suffixes run in fixed-width rows of their own"
 NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suffixes' boolean mask"
 SHARED_PREFIX_OFF = "shared-prefix reuse is off"
+# Why packed attention keeps its per-segment loop on a batch-invariant model.
+VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
@@ -62,7 +65,7 @@ CARRIES_STATE = "layers carry state across positions"
 NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back no cache"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
-             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH)
+             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -179,6 +182,20 @@ def _layout(checker: _Checker) -> None:
             checker.record(_failed("packed_batches", "installing", exc))
     if checker.plan.layout != "packed":
         checker.attempt("padded_batches", replace(checker.plan, layout="padded"), checker.forward_error)
+
+
+def _varlen(checker: _Checker, batch_invariant: bool) -> None:
+    """Packed attention through one flash-attention call per layer (models/attention_cuda.py) instead of one SDPA call
+    per segment, where the model runs packed on a device the kernel serves; kept only if the scoring forward with it
+    agrees with the plain one. Not reported where the device has no such kernel (CPU)."""
+    model, plan = checker.model, checker.plan
+    if plan.layout != "packed" or not runs_varlen_on(model.device):
+        return
+    reason = VARLEN_WHEN_INVARIANT if batch_invariant else model_varlen_refusal(model)
+    if reason is not None:
+        checker.record(PathCheck(VARLEN_PATH, False, None, reason))
+        return
+    checker.attempt(VARLEN_PATH, replace(plan, attention_kernel=VARLEN), checker.forward_error)
 
 
 def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
@@ -380,6 +397,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     _guarded(checker, "prepacked_linears", _prepacked, batch_invariant)
     original_attention = model.config._attn_implementation
     _guarded(checker, "packed_batches", _layout)
+    _guarded(checker, VARLEN_PATH, _varlen, batch_invariant)
     checker.record(_compile_check(checker, compile, cache_dir, batch_invariant))
     _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)
     _guarded(checker, "batched_decoding", _decoding)

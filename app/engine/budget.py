@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from models.memory import MemoryModel
 
 # Rows of logits projected through lm_head and read by the sampler at a time (candidates, prompt logprobs): bounds
@@ -90,6 +92,14 @@ class MemoryBudget:
 
     def generation_fits(self, rows: int, final: int, prefill_rows: int, prefill_width: int) -> bool:
         return self.step_bytes(rows, final, prefill_rows, prefill_width) <= self.work_bytes - self.scoring_reserve_bytes
+
+
+def baseline_bytes(device: torch.device) -> int:
+    """What the loaded model holds where its work runs: the tensors torch has allocated on a GPU (weights and
+    warm-up leftovers), the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return resident_bytes()
 
 
 def resident_bytes() -> int:

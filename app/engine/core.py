@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from app.engine.batcher import Batcher, BatchStats
-from app.engine.budget import MemoryBudget, resident_bytes
+from app.engine.budget import MemoryBudget, baseline_bytes
 from app.engine.device import DEVICE_THREAD, device_thread
 from app.engine.generation import Generator
 from app.engine.inputs import InputChecks
@@ -105,10 +105,11 @@ class Engine(ConsumerLoop):
     def _bound_memory(self) -> None:
         """Set the memory budget once the process holds the model and its warm-up leftovers (its baseline)."""
         s = self.settings
-        total = int(s.memory_budget or default_memory_budget())
+        device = self.loaded.device
+        total = int(s.memory_budget or default_memory_budget(device))
         # a /score of max_items prompts, each with its labels' values, scores and ranks and a top list (id, text, value)
         largest_response = s.max_items * (3 * s.max_label_token_ids + 3 * s.max_top_logprobs)
-        budget = self.budget = MemoryBudget.of(MemoryModel.of(self.loaded), total, resident_bytes(),
+        budget = self.budget = MemoryBudget.of(MemoryModel.of(self.loaded), total, baseline_bytes(device),
                                                self.scorer.prefix_cache.stats.capacity_bytes, largest_response,
                                                s.max_batch_tokens)
         self.generator.fits_memory = budget.generation_fits
