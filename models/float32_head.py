@@ -34,6 +34,15 @@ class Float32Head(nn.Module):
         super().__init__()
         self.inner = inner
 
+    # A model's forward may read lm_head.weight or .bias itself (Mamba casts the hidden states to its dtype).
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         weight = self.inner.weight  # [V, H]
