@@ -88,21 +88,27 @@ def _plain(model, prompts):
         return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
 
 
-@pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
-def test_varlen_kernel_gives_the_plain_forward(on_cpu, window):
-    model = _model(window)
-    prompts = _prompts()
-    expected = _plain(model, prompts)
-    plan = _packed_plan(model, attention_cuda.VARLEN)
+
+def _spy_on(monkeypatch, name: str) -> list[bool]:
+    """Record, per call of attention_cuda.`name`, whether the kernel ran (it returns None where it refuses)."""
     calls = []
-    real = attention_cuda.segment_attention_fast
+    real = getattr(attention_cuda, name)
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    on_cpu.setattr(attention_cuda, "segment_attention_fast", spy)
+    monkeypatch.setattr(attention_cuda, name, spy)
+    return calls
+
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
+def test_varlen_kernel_gives_the_plain_forward(on_cpu, window):
+    model = _model(window)
+    prompts = _prompts()
+    expected = _plain(model, prompts)
+    plan = _packed_plan(model, attention_cuda.VARLEN)
+    calls = _spy_on(on_cpu, "segment_attention_fast")
     got = forward_logits(model, plan, prompts, 0)
     assert calls and all(calls), "every layer ran the varlen kernel"
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
@@ -185,15 +191,7 @@ def test_varlen_over_shared_prefixes_gives_the_plain_forward(on_cpu):
         expected = torch.cat([model(torch.tensor([prefixes[p] + s])).logits[0, len(prefixes[p]) + len(s) - k:]
                               for p, s, k in rows])
     plan = _packed_plan(model, attention_cuda.VARLEN)
-    calls = []
-    real = attention_cuda.spanned_attention_fast
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    on_cpu.setattr(attention_cuda, "spanned_attention_fast", spy)
+    calls = _spy_on(on_cpu, "spanned_attention_fast")
     _, hidden = prefill_with_suffixes(model, plan, prefixes, rows, 0)
     torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
     states = prefill_prefixes(model, plan, prefixes, 0)
