@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -10,10 +12,27 @@ from app.settings import Settings
 from tests.conftest import wait_ready
 
 TINY_NAME = "tiny-llama"
+# A rerank prompt format (--rerank-format FILE) in the shape of a chat-template judge.
+RERANK_FORMAT = {
+    "prefix": "<|im_start|>system\nJudge the document.<|im_end|>\n<|im_start|>user\n",
+    "query": "Task: {instruction}\nQuery: {query}\nDocument:",
+    "document": " {document}",
+    "suffix": "<|im_end|>\n<|im_start|>assistant\n",
+    "yes": "Yes",
+    "no": "No",
+    "default_instruction": "find the answer",
+}
 
 
 def tiny_settings(**overrides) -> Settings:
     return Settings(model="unused", served_model_name=TINY_NAME, device="cpu", dtype="float32", **overrides)
+
+
+@pytest.fixture(scope="session")
+def rerank_format_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rerank") / "judge.json"
+    path.write_text(json.dumps(RERANK_FORMAT))
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,45 +3,27 @@ text, the Jina/vLLM and Cohere v2 shapes, ordering, top_n, the shared prefix, an
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from app.main import create_app
-from tests.api.conftest import TINY_NAME, tiny_settings
+from tests.api.conftest import RERANK_FORMAT, TINY_NAME, tiny_settings
 from tests.conftest import wait_ready
 
-FORMAT = {
-    "prefix": "<|im_start|>system\nJudge the document.<|im_end|>\n<|im_start|>user\n",
-    "query": "Task: {instruction}\nQuery: {query}\nDocument:",
-    "document": " {document}",
-    "suffix": "<|im_end|>\n<|im_start|>assistant\n",
-    "yes": "Yes",
-    "no": "No",
-    "default_instruction": "find the answer",
-}
 QUERY = "what color is the sky?"
 DOCUMENTS = ["The sky is blue.", "Paris is the capital of France.", "Red green yellow white black."]
 
 
 def full_text(query: str, document: str, instruction: str = "find the answer") -> str:
-    body = FORMAT["query"].format(instruction=instruction, query=query) + FORMAT["document"].format(document=document)
-    return FORMAT["prefix"] + body + FORMAT["suffix"]
+    body = RERANK_FORMAT["query"].format(instruction=instruction, query=query) + RERANK_FORMAT["document"].format(document=document)
+    return RERANK_FORMAT["prefix"] + body + RERANK_FORMAT["suffix"]
 
 
 @pytest.fixture(scope="module")
-def format_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rerank") / "judge.json"
-    path.write_text(json.dumps(FORMAT))
-    return path
-
-
-@pytest.fixture(scope="module")
-def rerank_client(tiny_loaded, format_file):
-    settings = tiny_settings(rerank_format=str(format_file), max_items=8)
+def rerank_client(tiny_loaded, rerank_format_file):
+    settings = tiny_settings(rerank_format=str(rerank_format_file), max_items=8)
     with TestClient(create_app(settings, loaded=tiny_loaded)) as client:
         wait_ready(client)
         yield client
@@ -88,9 +70,9 @@ def test_rerank_alias_instruction_top_n_and_truncation(rerank_client, plain, tin
     assert len(body["results"]) == 2 and all("document" not in r or r["document"] is None for r in body["results"])
     tokenizer = tiny_loaded.tokenizer
     for result in body["results"]:
-        head = FORMAT["prefix"] + FORMAT["query"].format(instruction="rank by color", query=QUERY)
+        head = RERANK_FORMAT["prefix"] + RERANK_FORMAT["query"].format(instruction="rank by color", query=QUERY)
         doc = tokenizer(" " + DOCUMENTS[result["index"]], add_special_tokens=False)["input_ids"][:3]
-        text = head + tokenizer.decode(doc) + FORMAT["suffix"]
+        text = head + tokenizer.decode(doc) + RERANK_FORMAT["suffix"]
         assert result["relevance_score"] == pytest.approx(relevance(plain, tokenizer, text), abs=1e-5)
 
 

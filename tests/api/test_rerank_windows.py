@@ -4,15 +4,13 @@ request; a two-label set instead of the format's words; and Text Embeddings Infe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from tests.api.conftest import tiny_settings
-from tests.api.test_rerank import FORMAT, QUERY
+from tests.api.conftest import RERANK_FORMAT, tiny_settings
+from tests.api.test_rerank import QUERY
 from tests.conftest import wait_ready
 from tests.reference import candidate_reference, position_logits
 
@@ -24,15 +22,8 @@ LONG = ("Paris is a city in France with many old streets and bridges over the ri
 
 
 @pytest.fixture(scope="module")
-def format_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rerank-windows") / "judge.json"
-    path.write_text(json.dumps(FORMAT))
-    return path
-
-
-@pytest.fixture(scope="module")
-def windows_client(tiny_loaded, format_file):
-    settings = tiny_settings(rerank_format=str(format_file), max_items=8, max_rerank_windows=40)
+def windows_client(tiny_loaded, rerank_format_file):
+    settings = tiny_settings(rerank_format=str(rerank_format_file), max_items=8, max_rerank_windows=40)
     with TestClient(create_app(settings, loaded=tiny_loaded)) as client:
         wait_ready(client)
         yield client
@@ -43,9 +34,9 @@ def ids(tokenizer, text):
 
 
 def pieces(tokenizer, instruction=None):
-    head = ids(tokenizer, FORMAT["prefix"] + FORMAT["query"].format(
-        instruction=instruction or FORMAT["default_instruction"], query=QUERY))
-    return head, ids(tokenizer, FORMAT["suffix"])
+    head = ids(tokenizer, RERANK_FORMAT["prefix"] + RERANK_FORMAT["query"].format(
+        instruction=instruction or RERANK_FORMAT["default_instruction"], query=QUERY))
+    return head, ids(tokenizer, RERANK_FORMAT["suffix"])
 
 
 def yes_no_logprobs(plain, tokenizer, prompt: list[int]) -> tuple[float, float]:

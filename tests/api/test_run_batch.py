@@ -16,8 +16,7 @@ from fastapi.testclient import TestClient
 
 from app.batch_runner import BatchInputError, BatchOptions, run_batch
 from app.main import create_app
-from tests.api.conftest import tiny_settings
-from tests.api.test_rerank import FORMAT
+from tests.api.conftest import RERANK_FORMAT, tiny_settings
 from tests.conftest import wait_ready
 
 # fields that differ between any two answers of the same request
@@ -83,7 +82,7 @@ def _read(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory):
     fmt = tmp_path_factory.mktemp("batch-format") / "judge.json"
-    fmt.write_text(json.dumps(FORMAT))
+    fmt.write_text(json.dumps(RERANK_FORMAT))
     return tiny_settings(rerank_format=str(fmt), request_timeout_s=0, access_log=False)
 
 
