@@ -272,18 +272,25 @@ def section_model(args, device, spec: str, name: str, tokenizer: Path | None = N
         if dtype == "bfloat16":  # the same plan with the head's logits rounded to bfloat16, as lm_head gives them
             bf16_head = replace(plan, head=build_head(loaded.model, plan.body, plan.held_head, float32_logits=False))
             entry["accuracy_top20_bf16_head"] = _accuracy(loaded, bf16_head, reference_prompts, reference, top_ids)
-        kernels = [plan.attention_kernel] + ([LOOP] if plan.attention_kernel == VARLEN else [])
-        for kernel in kernels:
-            kernel_plan = replace(plan, attention_kernel=kernel)
+        # the served plan, then without its CUDA graphs, then with the per-segment loop
+        variants = {(f"{plan.attention_kernel}_graphs" if plan.graphs is not None else plan.attention_kernel): plan}
+        if plan.graphs is not None:
+            variants[plan.attention_kernel] = replace(plan, graphs=None)
+        if plan.attention_kernel == VARLEN:
+            variants[LOOP] = replace(plan, attention_kernel=LOOP, graphs=None)
+        for variant, variant_plan in variants.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            run = _throughput(loaded, kernel_plan, short, device, repeats=1 if small else 5)
+            run = _throughput(loaded, variant_plan, short, device, repeats=1 if small else 5)
             flops = sum(prompt_flops(len(p), facts) for p in short)
             run["useful_tflops"] = flops / (run["pass_ms"] / 1e3) / 1e12
-            entry[f"short_inprocess_{kernel}"] = run
-            entry[f"counts_32_short_{kernel}"] = _counts(loaded, kernel_plan, short[:32], device)
-        if VARLEN in kernels:
-            entry[f"accuracy_top20_{LOOP}"] = _accuracy(loaded, replace(plan, attention_kernel=LOOP),
+            entry[f"short_inprocess_{variant}"] = run
+            entry[f"counts_32_short_{variant}"] = _counts(loaded, variant_plan, short[:32], device)
+        if plan.graphs is not None:
+            entry["accuracy_top20_no_graphs"] = _accuracy(loaded, replace(plan, graphs=None), reference_prompts,
+                                                          reference, top_ids)
+        if LOOP in variants:
+            entry[f"accuracy_top20_{LOOP}"] = _accuracy(loaded, replace(plan, attention_kernel=LOOP, graphs=None),
                                                         reference_prompts, reference, top_ids)
         entry["memory"] = _memory(loaded, device)
         out[dtype] = entry

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models.head import head_logits
-from models.packed import PACKED_ROW, pack, packed_ends, packed_row, to_device
+from models.packed import PACKED_ROW, no_padding, pack, packed_ends, packed_row, to_device
 from models.plan import ForwardPlan
 
 # What one extra model call costs, in padded tokens' worth of compute: python and kernel launch
@@ -120,16 +120,19 @@ def _packed_hidden(
     model: PreTrainedModel, plan: ForwardPlan, sequences: Sequence[Sequence[int]], keep_last: Sequence[int]
 ) -> torch.Tensor:
     """One packed model call: the final hidden states of each sequence's last keep_last[i] positions, [N, H]."""
-    input_ids, position_ids, boundaries = pack(sequences, model.device)
     lengths = [len(seq) for seq in sequences]
-    # All ones = no padding: for full-attention layers transformers then builds no mask at all (causal per prompt);
-    # for layers with a window shorter than the row it builds the row's banded mask, whose diagonal blocks are
-    # each prompt's own mask (packed attention reads them).
-    no_padding = torch.ones_like(input_ids)
-    hidden = plan.body(
-        input_ids=input_ids, attention_mask=no_padding, position_ids=position_ids, use_cache=False,
-        cu_seq_lens_q=boundaries, **{PACKED_ROW: packed_row(model.device, plan.attention_kernel, lengths)},
-    ).last_hidden_state[0]  # [T, H]
+    hidden = None if plan.graphs is None else plan.graphs.hidden(sequences)  # [T, H], or None: no bucket holds them
+    if hidden is None:
+        input_ids, position_ids, boundaries = pack(sequences, model.device)
+        # All ones = no padding: for full-attention layers transformers then builds no mask at all (causal per
+        # prompt); for layers with a window shorter than the row it builds the row's banded mask, whose diagonal
+        # blocks are each prompt's own mask (packed attention reads them).
+        with no_padding():
+            hidden = plan.body(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
+                use_cache=False, cu_seq_lens_q=boundaries,
+                **{PACKED_ROW: packed_row(model.device, plan.attention_kernel, lengths)},
+            ).last_hidden_state[0]  # [T, H]
     ends = [int(end) for end in packed_ends(lengths)]  # on the host: nothing read back from the device
     picked = torch.tensor([i for end, k in zip(ends, keep_last) for i in range(end - k, end)])
     return hidden[to_device(picked, hidden.device)]  # [N, H]

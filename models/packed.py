@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -261,9 +263,31 @@ def _(query, key, value, attention_mask, boundaries, key_value_groups, scaling, 
     return query.new_empty((batch, tokens, heads, dim))
 
 
+# Set while a packed row runs whose padding mask is all ones by construction (models/forward.py, models/cuda_graphs.py).
+_NO_PADDING: ContextVar[bool] = ContextVar("genscore_no_padding", default=False)
+
+
+@contextmanager
+def no_padding() -> Iterator[None]:
+    """Within: the model's padding masks hold no padding, so masks are built without reading them on the device."""
+    token = _NO_PADDING.set(True)
+    try:
+        yield
+    finally:
+        _NO_PADDING.reset(token)
+
+
+def packed_mask(*args, **kwargs):
+    """SDPA's mask; inside no_padding() built as without a padding mask (the same mask), so that transformers does
+    not ask the device whether the mask is all ones: no host sync, and nothing a CUDA graph capture refuses."""
+    if _NO_PADDING.get() and "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
 # Unpacked calls (padded batches, key/value caches) build the same masks SDPA would.
-ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_mask)
 
 
 def use_packed_attention(model: PreTrainedModel) -> bool:

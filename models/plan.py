@@ -48,6 +48,8 @@ class ForwardPlan:
     # The implementation of the packed-attention op (models/packed.py segment_attention): "loop", one SDPA call per
     # segment, or "varlen", one flash-attention call per layer (models/attention_cuda.py, CUDA only).
     attention_kernel: str = "loop"
+    # CUDA graphs of packed calls, one per bucket of packed lengths (models/cuda_graphs.py PackedGraphs), or None.
+    graphs: object | None = None
     held_head: nn.Module | None = None  # a module the head holds beside the model's weights (a pre-packed lm_head)
     checks: tuple[PathCheck, ...] = ()
     tolerance: float | None = None
@@ -67,5 +69,6 @@ class ForwardPlan:
         return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3), "layout": self.layout,
                 "prefix_reuse": self.prefix_reuse, "decoding": self.decoding,
                 "attention_kernel": self.attention_kernel, "batch_invariant": self.batch_invariant,
+                "cuda_graph_buckets": [] if self.graphs is None else self.graphs.bucket_tokens,
                 "stateful_layers": list(self.stateful_layers),
                 "paths": [asdict(check) for check in self.checks]}

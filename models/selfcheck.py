@@ -15,6 +15,8 @@ from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, run
 from models.body import find_body, returned_cache
 from models.cache_reuse import stateful_layers
 from models.compiled import compile_layers, uncompile_layers
+from models import cuda_graphs
+from models.cuda_graphs import GRAPHS_PATH
 from models.decoding import decode_step, prefill
 from models.forward import forward_logits
 from models.head import build_head, head_logits
@@ -48,6 +50,7 @@ NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suf
 SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # Why packed attention keeps its per-segment loop on a batch-invariant model.
 VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
+GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boundaries a graph would fix at capture"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
@@ -65,7 +68,8 @@ CARRIES_STATE = "layers carry state across positions"
 NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back no cache"
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
-             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT)
+             NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
+             GRAPHS_NEED_VARLEN)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -329,6 +333,47 @@ def _compile_check(checker: _Checker, compile: bool, cache_dir: Path | None, bat
     return check
 
 
+def _cuda_graphs(checker: _Checker, batch_invariant: bool) -> None:
+    """Packed calls replayed from CUDA graphs, one per bucket of packed lengths (models/cuda_graphs.py), where the
+    packed row goes through the varlen kernel (it reads the boundaries from the device); kept only if every bucket,
+    replaying the probe sequences that fit it, agrees with the plain forward. Not reported off CUDA."""
+    model, plan = checker.model, checker.plan
+    if plan.layout != "packed" or model.device.type not in cuda_graphs.DEVICE_TYPES:
+        return
+    if batch_invariant:
+        checker.record(PathCheck(GRAPHS_PATH, False, None, VARLEN_WHEN_INVARIANT))
+        return
+    if plan.attention_kernel != VARLEN:
+        checker.record(PathCheck(GRAPHS_PATH, False, None, GRAPHS_NEED_VARLEN))
+        return
+    graphs = cuda_graphs.PackedGraphs(plan.body, plan.attention_kernel, model.device)
+    sequences, keep = checker.probe.sequences, checker.probe.keep
+    starts = [0, *torch.tensor(keep).cumsum(0).tolist()]  # each sequence's rows in the reference
+    fits: dict[int, list[int]] = {}  # per bucket, the probe sequences it holds, shortest first
+    for tokens in graphs.bucket_tokens:
+        fits[tokens] = []
+        for i in sorted(range(len(sequences)), key=lambda i: len(sequences[i])):
+            if graphs.only(tokens).bucket_for([len(sequences[j]) for j in fits[tokens]] + [len(sequences[i])]) is None:
+                break
+            fits[tokens].append(i)
+    graphs.buckets = [bucket for bucket in graphs.buckets if fits[bucket.tokens]]  # a bucket is used only if proven
+    if not graphs.buckets:
+        checker.record(PathCheck(GRAPHS_PATH, False, None, "no bucket holds a probe sequence"))
+        return
+
+    def graphs_error(candidate: ForwardPlan) -> float:
+        errors = []
+        for tokens in graphs.bucket_tokens:
+            held = fits[tokens]
+            one = replace(candidate, graphs=graphs.only(tokens))
+            logits = forward_logits(checker.model, one, [sequences[i] for i in held], checker.pad, [keep[i] for i in held])
+            reference = torch.cat([checker.reference[starts[i] : starts[i + 1]] for i in held])
+            errors.append(logprob_error(logits, reference, checker.model.dtype))
+        return max(errors)
+
+    checker.attempt(GRAPHS_PATH, replace(plan, graphs=graphs), graphs_error)
+
+
 def _guarded(checker: _Checker, name: str, step, *args) -> None:
     """Run one step of the check; anything it raises unexpectedly puts the plan back as it was before the step and
     switches off every path the step had turned on, instead of failing the load."""
@@ -398,6 +443,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     original_attention = model.config._attn_implementation
     _guarded(checker, "packed_batches", _layout)
     _guarded(checker, VARLEN_PATH, _varlen, batch_invariant)
+    _guarded(checker, GRAPHS_PATH, _cuda_graphs, batch_invariant)
     checker.record(_compile_check(checker, compile, cache_dir, batch_invariant))
     _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)
     _guarded(checker, "batched_decoding", _decoding)
