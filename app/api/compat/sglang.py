@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
+from app.api.errors import ROUTE_ERRORS
+from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
 from app.engine.core import Engine
@@ -17,8 +18,6 @@ from app.errors import InvalidRequestError
 from sampler import LogprobsMode
 
 router = APIRouter()
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 class SGLangScoringRequest(StrictModel):
@@ -54,7 +53,7 @@ def score_query(engine: Engine, request: SGLangScoringRequest, items: list[str] 
     return ScoreQuery(prompts, params)
 
 
-@router.post("/v1/score", response_model=SGLangScoringResponse, responses=_ERRORS, response_class=FastJSONResponse)
+@router.post("/v1/score", response_model=SGLangScoringResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def sglang_score(request: SGLangScoringRequest, http_request: Request,
                        engine: Engine = Depends(ready_engine)):
     engine.checks.model(request.model)

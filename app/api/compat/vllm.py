@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, Strict
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
+from app.api.errors import ROUTE_ERRORS
+from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
 from app.engine.core import Engine
@@ -18,8 +19,6 @@ from app.engine.work import ScoreQuery
 from sampler import LogprobsMode
 
 router = APIRouter()
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 class GenerativeScoringRequest(StrictModel):
@@ -60,7 +59,7 @@ def score_query(engine: Engine, request: GenerativeScoringRequest) -> ScoreQuery
     return ScoreQuery(prompts, params)
 
 
-@router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=_ERRORS,
+@router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=ROUTE_ERRORS,
              response_class=FastJSONResponse)
 async def generative_scoring(request: GenerativeScoringRequest, raw: Request, engine: Engine = Depends(ready_engine)):
     engine.checks.model(request.model)
