@@ -31,7 +31,7 @@ from models.memory import MemoryModel, default_memory_budget, release_free_memor
 
 log = logging.getLogger("genscore.engine")
 
-_TRIM_INTERVAL_S = 1.0  # giving freed heap back costs ~1 ms a time; once a second is plenty
+_TRIM_INTERVAL_S = 1.0  # giving freed heap back has a cost (docs/users/memory.md); once a second is plenty
 
 
 class Engine(ConsumerLoop):
