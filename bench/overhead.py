@@ -4,7 +4,7 @@
 
 Layers, innermost first, each measured one request at a time on the short-prompt workload:
 the model's packed forward alone, Scorer.run_batch (adds the sampler and result rows), both on the
-engine's device thread where the model was loaded, Engine.score (adds the tokenizer thread, the batcher and its max-wait), the /score
+engine's device thread where the model was loaded, Engine.score (with the request tokenized on the tokenizer thread: adds that thread, the batcher and its max-wait), the /score
 serving function (adds request and response objects), and POST /score on a `genscore serve`
 subprocess (adds HTTP, uvicorn and the client), with the server's own share of it from its access
 log. Each layer's median minus the one inside it is that layer's cost. With --cprofile N, the N functions of the event-loop thread with the most own time
@@ -59,15 +59,15 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
 
     from app.api.score import serving
     from app.api.score.protocol import ScoreRequest
-    from app.engine.work import ScoreQuery, ScoreWork
+    from app.engine.work import ScoreWork
     from models import forward_logits
 
     loaded = eng.loaded
     if inner:
         works = {}
         for body in bodies:  # the exact units Engine.score submits
-            params, prompts, candidates = eng.prepare_score(ScoreQuery(**body))
-            works[id(body)] = [ScoreWork(ids, params, 0, candidates) for ids in prompts]
+            query = serving.score_query(eng, ScoreRequest(**body))
+            works[id(body)] = [ScoreWork(ids, query.params, 0, query.candidates) for ids in query.prompts]
 
         # Everything on the engine's device thread, where the model was loaded (app/engine/device.py says why).
         def on_device(fn, *args):
@@ -97,7 +97,7 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
             profiles["Scorer.run_batch"] = await on_device(profiled)
 
     async def engine_score(body):
-        return await eng.score(ScoreQuery(**body))
+        return await eng.score(await eng.on_tokenizer_thread(serving.score_query, eng, ScoreRequest(**body)))
 
     async def serving_score(body):
         return await serving.score(eng, ScoreRequest(**body))

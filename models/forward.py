@@ -18,8 +18,8 @@ CALL_OVERHEAD_TOKENS = 96
 # Tokens per packed model call at 4 bytes an element; a half-precision model packs twice as many (pack_tokens).
 # Larger calls keep the GEMMs efficient and pay the per-call cost (Python and a read of every weight, tens of ms
 # on CPU) less often; past about this many bytes of activations ([tokens, intermediate] per MLP) they stop fitting
-# in cache and element-wise ops slow down. Tuned on CPU (SmolLM2-135M): a batch of 32 short prompts (1223 tokens)
-# runs 9% faster in bfloat16 as one call of 1223 than as 1024 + 199; in float32 a pack of 2048 was slower.
+# in cache and element-wise ops slow down. Tuned on CPU (SmolLM2-135M; the measurements are in
+# docs/contributors/architecture.md, "Packed sequences").
 PACK_TOKENS = 1024
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):

@@ -20,7 +20,7 @@ TILE_SIZES = (1024, 512, 256, 128, 64, 32)  # 1024: one packed row (models/forwa
 # The output head: few rows per batch, and [1024, V] logits over a large vocabulary would be a large buffer.
 HEAD_TILE_SIZES = (256, 128, 64, 32)
 # A tile may be padded to at most this share of zero rows before smaller tiles are used instead; fewer, larger
-# calls are faster per row (3-10x from 32 to 1024 rows on the default model's shapes).
+# calls are faster per row (docs/users/batch-invariance.md).
 MAX_PADDING = 0.5
 
 def tile_plan(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:

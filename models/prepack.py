@@ -100,9 +100,8 @@ def prepacked_head(model: PreTrainedModel) -> PrepackedLinear | None:
     lm_head is not a plain nn.Linear or the packed kernel does not apply (packing_unavailable).
 
     A copy: a tied lm_head shares its matrix with the input embeddings, which stay plain, so the largest matrix
-    is held twice (V x H, 57 MB for SmolLM2-135M in bfloat16). It pays on the small row counts the head runs on:
-    1-32 rows of SmolLM2-135M's 49k x 576 head take 35-45% less time in bfloat16, and 8 rows in float32 half,
-    than nn.Linear on the plain matrix (measured on CPU; README "Performance" has the forward-level numbers).
+    is held twice (V x H). It pays on the small row counts the head runs on: the packed kernel takes less time than
+    nn.Linear on the plain matrix there (docs/contributors/architecture.md, "Pre-packed weights", has the numbers).
     """
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or packing_unavailable(model) is not None:

@@ -16,10 +16,18 @@ from app.errors import GenscoreError, error_body
 log = logging.getLogger("genscore.errors")
 
 
+def error_responses(statuses) -> dict:
+    """OpenAPI `responses=` entries: each status answers with the OpenAI-shaped error body."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# What a route's own handler can answer: a bad input, an unknown model, a model failure, the engine not ready.
+ROUTE_ERRORS = error_responses((400, 404, 500, 503))
+
+
 def edge_error_responses(with_api_key: bool) -> dict:
     """Error statuses any route can answer (from the middlewares and the batcher), for the OpenAPI schema."""
-    statuses = [413, 503, 504] + ([401] if with_api_key else [])
-    return {status: {"model": ErrorResponse} for status in statuses}
+    return error_responses([413, 503, 504] + ([401] if with_api_key else []))
 
 
 def _field_name(loc: tuple) -> str | None:

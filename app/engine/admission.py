@@ -1,9 +1,11 @@
 """Admission, written once for the scoring queue and the decode loop: a bounded number of waiting callers (503 with
-Retry-After beyond it) and the request's deadline (504 when it passes before the work has started)."""
+Retry-After beyond it), the request's deadline (504 when it passes before the work has started), and the bisection
+for the most work that fits."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from app.deadline import request_deadline
 from app.errors import DeadlineExceededError, OverloadedError
@@ -30,3 +32,15 @@ def admit(waiting: int, limit: int, retry_after_s: int, what: str, deadline: flo
 def time_left(deadline: float | None) -> float | None:
     """Seconds until `deadline` (never negative), or None when there is none."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def most_that_fit(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [low, high] with fits(n), by bisection (fits must be monotone: true up to some n, then
+    false); `low` when none above it fits, whether or not `low` itself does (it is the caller's floor)."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low

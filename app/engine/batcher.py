@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from app.engine.admission import admit, deadline_error, time_left
+from app.engine.halves import Halves
 from app.engine.loop import ConsumerLoop
 from app.errors import EngineError, ServiceUnavailableError
 
@@ -228,44 +229,39 @@ class Batcher(ConsumerLoop, Generic[W, R]):
     async def _run(self, batch: list[_Pending[W]]) -> None:
         """Compute `batch`; when it raises, retry each half, so one bad unit (or an out-of-memory batch) only
         fails the units that fail on their own."""
-        batch = [p for p in batch if not _abandoned(p)]
-        if not batch:
-            return
-        started = time.perf_counter()
-        try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._handler, [p.work for p in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"handler returned {len(results)} results for {len(batch)} units")
-        except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about it
-            if len(batch) > 1:
-                # Type only: the message of a model error can quote the input, and request content stays out of logs.
-                log.warning("batch of %d failed (%s); retrying it in halves", len(batch), type(exc).__name__)
-                half = len(batch) // 2
-                await self._run(batch[:half])
-                await self._run(batch[half:])
-                return
-            log.error("a unit of work failed on its own; its caller gets a 500", exc_info=exc)
-            batch[0].ticket.failed = True
-            if not batch[0].future.done():
-                batch[0].future.set_exception(exc if isinstance(exc, EngineError)
-                                              else EngineError("the model failed on this request"))
-            return
-        for p, result in zip(batch, results):
-            if not p.future.done():
-                p.future.set_result(result)
-        if self._on_batch is not None:
-            longest = max(p.tokens for p in batch)
-            stats = BatchStats(
-                size=len(batch),
-                padded_tokens=longest * len(batch),
-                queue_wait_s=started - min(p.enqueued_at for p in batch),
-                compute_s=time.perf_counter() - started,
-            )
+        halves = Halves(batch, _fail_alone, log, "scoring batch", "unit")
+        for piece in halves:
+            piece = [p for p in piece if not _abandoned(p)]  # callers may have gone while an earlier piece ran
+            if not piece:
+                continue
+            started = time.perf_counter()
             try:
-                self._on_batch(stats)
-            except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
-                log.exception("on_batch callback failed")
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._handler, [p.work for p in piece])
+                if len(results) != len(piece):
+                    raise RuntimeError(f"handler returned {len(results)} results for {len(piece)} units")
+            except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about it
+                halves.failed(piece, exc)
+                continue
+            for p, result in zip(piece, results):
+                if not p.future.done():
+                    p.future.set_result(result)
+            self._report(piece, started)
+
+    def _report(self, batch: list[_Pending[W]], started: float) -> None:
+        if self._on_batch is None:
+            return
+        longest = max(p.tokens for p in batch)
+        stats = BatchStats(
+            size=len(batch),
+            padded_tokens=longest * len(batch),
+            queue_wait_s=started - min(p.enqueued_at for p in batch),
+            compute_s=time.perf_counter() - started,
+        )
+        try:
+            self._on_batch(stats)
+        except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
+            log.exception("on_batch callback failed")
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -281,6 +277,15 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         for p in stranded:
             if not p.future.done():
                 p.future.set_exception(error)
+
+
+def _fail_alone(piece: list[_Pending], exc: Exception) -> None:
+    """A unit that failed on its own: its caller gets the error (a 500 unless it is an engine error already), and
+    the rest of that caller's units are dropped."""
+    pending = piece[0]
+    pending.ticket.failed = True
+    if not pending.future.done():
+        pending.future.set_exception(exc if isinstance(exc, EngineError) else EngineError("the model failed on this request"))
 
 
 def _abandoned(pending: _Pending) -> bool:

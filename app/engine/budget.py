@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.admission import most_that_fit
 from models.memory import MemoryModel
 
 # Rows of logits projected through lm_head and read by the sampler at a time (candidates, prompt logprobs): bounds
@@ -59,14 +60,7 @@ class MemoryBudget:
     def scoring_tokens(self, cache_rows: int, cache_final: int, max_batch_tokens: int) -> int:
         """The most padded tokens a scoring batch may hold beside a decode cache of rows x final (at least 1)."""
         room = self.work_bytes - (self.memory.cache_bytes(cache_rows, cache_final) if cache_rows else 0)
-        low, high = 1, max_batch_tokens
-        while low < high:
-            mid = (low + high + 1) // 2
-            if scoring_batch_bytes(self.memory, mid) <= room:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return most_that_fit(1, max_batch_tokens, lambda tokens: scoring_batch_bytes(self.memory, tokens) <= room)
 
     def scoring_unit_fits(self, prompt_len: int, candidates: tuple[tuple[int, ...], ...]) -> bool:
         """Whether one prompt (with its candidate rows) fits the work bytes alone. Its rows run in chunks of

@@ -1,6 +1,7 @@
 """The engine core: the one owner of the device. One scheduler loop feeds one device thread with scoring batches and
 generation steps in turn, under one memory budget in bytes; tokenization and input checks run on one tokenizer
-thread. Typed work in (ScoreQuery, prompts + GenerationParams), typed results out (ScoredPrompts, stream events)."""
+thread that the API layer renders and tokenizes on. Typed work of token ids in (ScoreQuery, prompt + GenerationParams),
+typed results out (ScoredPrompts, stream events)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from app.engine.generation import Generator
 from app.engine.inputs import InputChecks
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PromptLogprobs, ScoredPrompts, ScoreOutcome
-from app.engine.score_prompts import ScorePrompts
 from app.engine.scoring import Scorer, common_prefix_len
 from app.engine.token_strings import TokenStrings
 from app.engine.work import GenerationParams, ScoreQuery, ScoreWork
@@ -28,11 +28,10 @@ from app.errors import InvalidRequestError, ServiceUnavailableError
 from app.settings import Settings
 from models import LoadedModel
 from models.memory import MemoryModel, default_memory_budget, release_free_memory
-from sampler import SamplingParams
 
 log = logging.getLogger("genscore.engine")
 
-_TRIM_INTERVAL_S = 1.0  # giving freed heap back costs ~1 ms a time; once a second is plenty
+_TRIM_INTERVAL_S = 1.0  # giving freed heap back has a cost (docs/users/memory.md); once a second is plenty
 
 
 class Engine(ConsumerLoop):
@@ -57,7 +56,6 @@ class Engine(ConsumerLoop):
         # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
         self.token_strings = TokenStrings(loaded.tokenizer)  # shared with the OpenAI routes: one cache
-        self._score_prompts = ScorePrompts(loaded.tokenizer, self.checks)
         self.scorer = Scorer(loaded, settings.share_prefixes, int(settings.prefix_cache_mb * 2**20))
         self._wake = asyncio.Event()
         self.batcher: Batcher[ScoreWork, ScoreOutcome] = Batcher(
@@ -174,38 +172,26 @@ class Engine(ConsumerLoop):
         """Run fn(*args) on the one tokenizer thread: long texts stall no one, and the tokenizer is never shared."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    def prepare_score(self, query: ScoreQuery):
-        """A query's checked SamplingParams, prompts and candidates (runs on the tokenizer thread)."""
-        params = self._score_prompts.sampling_params(query)
-        prompts = self._score_prompts.prompts(query)
-        return params, prompts, self._score_prompts.candidates(query, prompts)
-
     async def score(self, query: ScoreQuery) -> ScoredPrompts:
-        """Check and tokenize the query, then score every prompt through the batcher."""
-        self.checks.model(query.model)
-        params, prompts, candidates = await self.on_tokenizer_thread(self.prepare_score, query)
-        outcomes = await self.run_prompts(prompts, params, candidates,
-                                          "query" if query.items is None else "items")
-        return ScoredPrompts(prompts, candidates, params, outcomes)
+        """Score every prompt of the query through the batcher, one unit each. The prompts' common prefix is marked
+        shared when more than one sequence hangs off it (several prompts, or candidates), so it runs once per batch
+        or comes from the cache.
 
-    async def run_prompts(self, prompts: list[list[int]], params: SamplingParams,
-                          candidates: tuple[tuple[int, ...], ...] = (), param: str = "items") -> list[ScoreOutcome]:
-        """One unit per prompt through the batcher. The prompts' common prefix is marked shared when more than one
-        sequence hangs off it (several prompts, or candidates), so it runs once per batch or comes from the cache.
-
-        A prompt too big for any scoring batch the memory budget allows is refused (400 naming `param`[i])."""
+        A prompt too big for any scoring batch the memory budget allows is refused (400 naming its field)."""
+        prompts, candidates = query.prompts, query.candidates
         shared = 0
         if self.share_prefixes and (len(prompts) > 1 or candidates):
             shared = common_prefix_len(prompts)
-        works = [ScoreWork(ids, params, shared, candidates) for ids in prompts]
+        works = [ScoreWork(ids, query.params, shared, candidates) for ids in prompts]
         if self.budget is not None:
             for i, work in enumerate(works):
                 if not self.budget.scoring_unit_fits(len(work.token_ids), work.candidates):
                     raise InvalidRequestError(
                         f"this prompt ({len(work.token_ids)} tokens, {max(1, len(candidates))} row(s)) does not fit "
                         "the server's memory budget (--memory-budget) even alone; shorten it or send fewer "
-                        "candidates", param if param == "query" else f"{param}[{i}]")
-        return await self.batcher.submit(works)
+                        "candidates", query.prompt_param(i))
+        outcomes = await self.batcher.submit(works)
+        return ScoredPrompts(prompts, candidates, query.params, outcomes)
 
     def check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
         """400 when one choice of this prompt could never fit the memory budget, even alone: its cache grown to

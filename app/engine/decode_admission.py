@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from app.engine.admission import most_that_fit
 from app.engine.work import GenerationParams
 
 
@@ -66,14 +67,7 @@ class RowLimits:
 
     def most_rows(self, rows: int, wanted: int, final: int, prefill_rows: int, longest: int) -> int:
         """The most of `wanted` new rows (0 when none) that fit beside `rows`, by bisection (fit is monotone)."""
-        low, high = 0, max(0, wanted)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.fit(rows + mid, final, prefill_rows, longest):
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return most_that_fit(0, max(0, wanted), lambda new: self.fit(rows + new, final, prefill_rows, longest))
 
 
 def plan_admissions(waiting: list[PromptGroup], running: list[PromptGroup],

@@ -14,7 +14,7 @@ def device_thread() -> ThreadPoolExecutor:
     them, and GNU OpenMP (the libgomp of the PyPI CPU wheels) keeps a team's threads spinning between parallel
     regions only while it manages no more threads than there are CPUs. A second team (the model loaded on one
     thread and served from another) leaves it spinning ~100 times shorter, so each of a forward's hundreds of short
-    kernels waits for its threads to wake. Measured on 2 cores, SmolLM2-135M bfloat16, one 38-token prompt: 47 ms
-    when one thread loads and serves, 90 ms when the load ran on another (README, "Performance").
+    kernels waits for its threads to wake: a forward took about twice as long (docs/history/performance.md, "One
+    device thread for the whole process").
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=DEVICE_THREAD)

@@ -15,6 +15,7 @@ import sampler
 from app.engine.admission import admit, deadline_error, time_left
 from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.decode_admission import Admission, Choice, PromptGroup, RowLimits, plan_admissions
+from app.engine.halves import Halves
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
@@ -207,20 +208,18 @@ class Generator(ConsumerLoop):
     def _prefill_isolated(self, groups: list[Admission], events: list) -> None:
         """Prefill the admitted prompts together; if that fails, split them, so only a prompt that fails on its own
         gets an error and neither the other newcomers nor the rows already decoding are touched."""
-        staged: list[tuple[PromptGroup, object]] = []  # nothing is reported for an attempt that fails part-way
-        try:
-            self._prefill(groups, staged)
-        except Exception:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
-            if len(groups) == 1:
-                log.exception("prefill failed for one prompt")
-                events.append((groups[0].group, EngineError("the model failed on this prompt")))
-                return
-            log.warning("prefill of %d prompts failed; retrying them in halves", len(groups), exc_info=True)
-            half = len(groups) // 2
-            self._prefill_isolated(groups[:half], events)
-            self._prefill_isolated(groups[half:], events)
-            return
-        events += staged
+
+        def fail_alone(piece: list[Admission], exc: Exception) -> None:
+            events.append((piece[0].group, EngineError("the model failed on this prompt")))
+
+        for piece in (halves := Halves(groups, fail_alone, log, "prefill", "prompt")):
+            staged: list[tuple[PromptGroup, object]] = []  # nothing is reported for an attempt that fails part-way
+            try:
+                self._prefill(piece, staged)
+            except Exception as exc:  # noqa: BLE001 - the caller of a prompt that fails alone must hear about it
+                halves.failed(piece, exc)
+                continue
+            events += staged
 
     def _keep_rows(self, keep: list[int]) -> None:
         self._rows = [self._rows[i] for i in keep]
@@ -273,27 +272,35 @@ class Generator(ConsumerLoop):
     def _decode_isolated(self, rows: list[Choice], batch: DecodeBatch, events: list
                          ) -> list[tuple[list[Choice], DecodeBatch]]:
         """Decode `rows` (the rows of `batch`, in order); returns the (rows, batch) pieces still running."""
-        width = batch.width
-        next_tokens = torch.tensor([c.next_token for c in rows], dtype=torch.long)  # [B]
-        try:
-            logits = decode_step(self.loaded.model, self.loaded.plan, batch, next_tokens)  # [B, V]
-        except Exception:  # noqa: BLE001 - only the row that fails on its own may fail its caller
-            drop_partial_step(batch, width)
-            if len(rows) == 1:
-                log.exception("decode step failed for one row")
-                events.append((rows[0].group, EngineError("the model failed while generating")))
-                return []
-            log.warning("decode step of %d rows failed; retrying them in halves", len(rows), exc_info=True)
-            half = len(rows) // 2
-            return (self._decode_isolated(rows[:half], select_rows(batch, range(half)), events)
-                    + self._decode_isolated(rows[half:], select_rows(batch, range(half, len(rows))), events))
-        self.steps += 1
-        running = self._sample_and_report(rows, logits, events)
-        if not running:
-            return []
-        if len(running) != len(rows):
-            rows, batch = [rows[i] for i in running], select_rows(batch, running)
-        return [(rows, batch)]
+        Piece = tuple[list[Choice], DecodeBatch]
+
+        def take(piece: Piece, start: int, stop: int) -> Piece:
+            rows, batch = piece
+            return rows[start:stop], select_rows(batch, range(start, stop))
+
+        def fail_alone(piece: Piece, exc: Exception) -> None:
+            events.append((piece[0][0].group, EngineError("the model failed while generating")))
+
+        survivors: list[Piece] = []
+        for piece in (halves := Halves((rows, batch), fail_alone, log, "decode step", "row",
+                                       size=lambda piece: len(piece[0]), take=take)):
+            piece_rows, piece_batch = piece
+            width = piece_batch.width
+            next_tokens = torch.tensor([c.next_token for c in piece_rows], dtype=torch.long)  # [B]
+            try:
+                logits = decode_step(self.loaded.model, self.loaded.plan, piece_batch, next_tokens)  # [B, V]
+            except Exception as exc:  # noqa: BLE001 - only the row that fails on its own may fail its caller
+                drop_partial_step(piece_batch, width)
+                halves.failed(piece, exc)
+                continue
+            self.steps += 1
+            running = self._sample_and_report(piece_rows, logits, events)
+            if not running:
+                continue
+            if len(running) != len(piece_rows):
+                piece_rows, piece_batch = [piece_rows[i] for i in running], select_rows(piece_batch, running)
+            survivors.append((piece_rows, piece_batch))
+        return survivors
 
     def _sample_and_report(self, choices: list[Choice], logits: torch.Tensor, events: list) -> list[int]:
         """Sample one token per choice from logits [c, V], report it, and return the indices still running."""

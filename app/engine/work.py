@@ -4,34 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sampler import LogprobsMode, SamplingParams
+from sampler import SamplingParams
 
 
 @dataclass(frozen=True)
 class ScoreQuery:
-    """One scoring request, as the engine sees it: prompts to build and what to read at their ends.
+    """One scoring request as the engine takes it from every route: prompts as token ids and what to read at their
+    ends. The API layer renders, tokenizes (on the engine's tokenizer thread) and checks the inputs first.
 
-    Texts are tokenized by the engine (on its tokenizer thread); token ids are checked against the vocabulary. Each
-    item is appended to the query (put before it with `item_first`); items never get special tokens unless
-    `item_special_tokens` (a prompt given whole as an item, as SGLang's text queries are).
-    """
+    `candidates` are scored as continuations of each prompt (none: the next position's labels). `param` names the
+    request field the prompts came from ("query" for a lone query, else e.g. "items" or "documents": prompt i is
+    `items[i]`), for an error about one prompt."""
 
-    query: str | list[int]
-    items: list[str] | list[list[int]] | None = None
-    label_token_ids: list[int] | None = None
-    candidates: list[str] | list[list[int]] | None = None
-    item_first: bool = False
-    add_special_tokens: bool = True
-    item_special_tokens: bool = False
-    truncate_prompt_tokens: int | None = None
-    logprobs_mode: LogprobsMode | str | None = None
-    top_logprobs: int = 0
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[str, float] | None = None
-    model: str | None = None
+    prompts: list[list[int]]
+    params: SamplingParams
+    candidates: tuple[tuple[int, ...], ...] = ()
+    param: str = "items"
+
+    def prompt_param(self, i: int) -> str:
+        return prompt_param(self.param, i)
+
+
+def prompt_param(param: str, i: int) -> str:
+    """The request field that names prompt i: the query itself when it stands alone, else `param[i]`."""
+    return param if param == "query" else f"{param}[{i}]"
 
 
 @dataclass(frozen=True)

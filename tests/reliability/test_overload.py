@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 
+from app.api.score import serving as score_serving
 from tests.reliability.conftest import async_wait_until, score_body, serving
 
 HELD = [5, 6, 7]  # the request that holds the model at the gate while others queue
@@ -161,16 +162,15 @@ def test_oversized_body_is_413_naming_the_limit_declared_or_chunked(tiny_loaded)
 def test_tokenizing_a_long_text_does_not_stall_probes(tiny_loaded):
     """Tokenization runs off the event loop: held mid-tokenization, the server still answers its probes."""
     with serving(tiny_loaded) as (base_url, app):
-        engine = app.state.lifecycle.engine
         entered, gate = threading.Event(), threading.Event()
-        original = engine.prepare_score
+        original = score_serving.score_query
 
-        def held_tokenization(request):
+        def held_tokenization(*args):
             entered.set()
             gate.wait(30)  # on the event loop this would freeze the whole server
-            return original(request)
+            return original(*args)
 
-        engine.prepare_score = held_tokenization
+        score_serving.score_query = held_tokenization
 
         async def scenario():
             async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
@@ -185,6 +185,6 @@ def test_tokenizing_a_long_text_does_not_stall_probes(tiny_loaded):
             probes, scored = asyncio.run(asyncio.wait_for(scenario(), 30))
         finally:
             gate.set()
-            engine.prepare_score = original
+            score_serving.score_query = original
         assert probes == [200, 200]
         assert_error(scored, 400, "tokens")  # far longer than the model's 128 positions

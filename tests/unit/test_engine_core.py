@@ -50,7 +50,7 @@ async def test_a_score_is_answered_between_decode_steps_of_a_running_generation(
             gate.hold()  # the next decode step waits at the gate: the generation cannot finish meanwhile
             await async_wait_until(gate.entered.is_set, what="a decode step at the gate")
             steps_before = len(gate.steps)
-            score = asyncio.create_task(engine.score(ScoreQuery(query=[8, 9, 10], label_token_ids=[5, 6])))
+            score = asyncio.create_task(engine.score(ScoreQuery([[8, 9, 10]], SamplingParams(label_token_ids=(5, 6)))))
             await async_wait_until(lambda: engine.batcher.waiting == 1, what="the score to queue")
             gate.release()
             result = await score
@@ -80,7 +80,7 @@ async def test_a_dead_engine_loop_fails_scoring_and_generation_callers(tiny_load
             await async_wait_until(gate.entered.is_set, what="the first generation step at the gate")
             waiting = asyncio.create_task(generate())
             await async_wait_until(lambda: engine.generator.waiting == 1, what="a second prompt to wait")
-            score = asyncio.create_task(engine.score(ScoreQuery(query=[8, 9], label_token_ids=[5])))
+            score = asyncio.create_task(engine.score(ScoreQuery([[8, 9]], SamplingParams(label_token_ids=(5,)))))
             await async_wait_until(lambda: engine.batcher.waiting == 1, what="a score to queue")
             engine._task.cancel()  # as if a bug ended the loop
             for task in (waiting, score):

@@ -8,7 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
+from app.api.errors import ROUTE_ERRORS
+from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
+from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
@@ -16,8 +18,6 @@ from app.errors import InvalidRequestError
 from sampler import LogprobsMode
 
 router = APIRouter()
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 class SGLangScoringRequest(StrictModel):
@@ -40,27 +40,30 @@ class SGLangScoringResponse(BaseModel):
     object: Literal["scoring"] = "scoring"
 
 
-def to_query(request: SGLangScoringRequest) -> ScoreQuery:
-    """The same prompts SGLang builds, as an engine query in raw_logprobs mode."""
-    items = [request.items] if isinstance(request.items, str) else request.items
-    if isinstance(request.query, str) != isinstance(items[0], str):
-        raise InvalidRequestError("query and items must both be text or both be token ids", "items")
-    common = dict(model=request.model, label_token_ids=request.label_token_ids, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
+def score_query(engine: Engine, request: SGLangScoringRequest, items: list[str] | list[list[int]]) -> ScoreQuery:
+    """The same prompts SGLang builds, as token ids in raw_logprobs mode. Tokenizes: runs on the tokenizer thread."""
+    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    params = render.sampling_params(request.label_token_ids, None, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
     if isinstance(request.query, str):
         # SGLang concatenates the texts and tokenizes each whole prompt with the tokenizer's special tokens
-        texts = [item + request.query if request.item_first else request.query + item for item in items]
-        return ScoreQuery(query=[], items=texts, item_special_tokens=True, **common)
-    return ScoreQuery(query=request.query, items=items, item_first=request.item_first, **common)
+        prompts = render.whole_prompts([item + request.query if request.item_first else request.query + item
+                                        for item in items])
+    else:
+        prompts = render.prompts(request.query, items, item_first=request.item_first)
+    return ScoreQuery(prompts, params)
 
 
-@router.post("/v1/score", response_model=SGLangScoringResponse, responses=_ERRORS, response_class=FastJSONResponse)
+@router.post("/v1/score", response_model=SGLangScoringResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def sglang_score(request: SGLangScoringRequest, http_request: Request,
                        engine: Engine = Depends(ready_engine)):
     engine.checks.model(request.model)
     if not request.items:  # SGLang answers an empty item list with no scores
         scored, counts = [], {"prompt_tokens": 0, "total_tokens": 0}
     else:
-        result = await engine.score(to_query(request))
+        items = [request.items] if isinstance(request.items, str) else request.items
+        if isinstance(request.query, str) != isinstance(items[0], str):
+            raise InvalidRequestError("query and items must both be text or both be token ids", "items")
+        result = await engine.score(await engine.on_tokenizer_thread(score_query, engine, request, items))
         scored = [scores(o.labels.label_values, request.apply_softmax, result.params) for o in result.outcomes]
         counts = usage(result.prompt_tokens, result.cached_tokens)
         http_request.app.state.metrics.observe_usage(counts)

@@ -10,15 +10,15 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, Strict
 
 from app.api.common import FastJSONResponse, ready_engine, usage
-from app.api.protocol import ErrorResponse, Flag, PromptUsage, StrictModel, TokenId
+from app.api.errors import ROUTE_ERRORS
+from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
+from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
 from app.engine.core import Engine
 from app.engine.work import ScoreQuery
 from sampler import LogprobsMode
 
 router = APIRouter()
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 class GenerativeScoringRequest(StrictModel):
@@ -50,14 +50,20 @@ class GenerativeScoringResponse(BaseModel):
     usage: PromptUsage
 
 
-@router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=_ERRORS,
+def score_query(engine: Engine, request: GenerativeScoringRequest) -> ScoreQuery:
+    """Query and items tokenized apart and joined, in raw_logprobs mode. Tokenizes: runs on the tokenizer thread."""
+    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    params = render.sampling_params(request.label_token_ids, None, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
+    prompts = render.prompts(request.query, request.items, item_first=request.item_first,
+                             add_special_tokens=request.add_special_tokens)
+    return ScoreQuery(prompts, params)
+
+
+@router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=ROUTE_ERRORS,
              response_class=FastJSONResponse)
 async def generative_scoring(request: GenerativeScoringRequest, raw: Request, engine: Engine = Depends(ready_engine)):
-    result = await engine.score(ScoreQuery(
-        model=request.model, query=request.query, items=request.items, label_token_ids=request.label_token_ids,
-        item_first=request.item_first, add_special_tokens=request.add_special_tokens,
-        logprobs_mode=LogprobsMode.RAW_LOGPROBS,
-    ))
+    engine.checks.model(request.model)
+    result = await engine.score(await engine.on_tokenizer_thread(score_query, engine, request))
     base_id = raw.headers.get("X-Request-Id") or request.request_id or uuid.uuid4().hex
     counts = usage(result.prompt_tokens, result.cached_tokens)
     raw.app.state.metrics.observe_usage(counts)

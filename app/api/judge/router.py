@@ -5,17 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from app.api.common import FastJSONResponse, ready_engine
+from app.api.errors import ROUTE_ERRORS
 from app.api.judge.protocol import PairwiseRequest, PairwiseResponse
 from app.api.judge.serving import judge_pairwise
-from app.api.protocol import ErrorResponse
 from app.engine.core import Engine
 
 router = APIRouter()
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
-
-@router.post("/v1/judge/pairwise", response_model=PairwiseResponse, responses=_ERRORS,
+@router.post("/v1/judge/pairwise", response_model=PairwiseResponse, responses=ROUTE_ERRORS,
              response_class=FastJSONResponse)
 async def pairwise(request: PairwiseRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
     body = await judge_pairwise(engine, request)

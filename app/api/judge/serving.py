@@ -14,6 +14,7 @@ from app.api.judge.label_scores import LabelScores, label_scores
 from app.api.judge.pairwise import PairVerdict, check_template, pairs_of, prompt_ids
 from app.api.judge.protocol import PairwiseRequest
 from app.engine.core import Engine
+from app.engine.work import ScoreQuery
 from app.errors import InvalidRequestError
 
 
@@ -42,7 +43,7 @@ async def judge_pairwise(engine: Engine, request: PairwiseRequest) -> dict:
                                     top_p=request.top_p, min_p=request.min_p)
     prompts = await engine.on_tokenizer_thread(prompt_ids, request, pairs, engine.loaded.tokenizer)
     _check_lengths(engine, prompts, pairs, max(len(c) for c in labels.bound.candidates))
-    outcomes = await engine.run_prompts(prompts, params, labels.bound.candidates, "answers")
+    outcomes = (await engine.score(ScoreQuery(prompts, params, labels.bound.candidates, "answers"))).outcomes
     scored = [label_scores(labels.bound, o.candidate_values) for o in outcomes]
 
     def probabilities(scores: LabelScores) -> list[float]:

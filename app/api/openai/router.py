@@ -5,14 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from app.api.common import FastJSONResponse, ready_engine
+from app.api.errors import ROUTE_ERRORS
 from app.api.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from app.api.openai.serving import OpenAIServing
-from app.api.protocol import ErrorResponse
 from app.engine.core import Engine
 
 router = APIRouter()
 
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 STREAM = {"content": {"text/event-stream": {}}, "description": "With `stream: true`: `data: {chunk}` events."}
 
 
@@ -28,14 +27,14 @@ def openai_serving(request: Request, engine: Engine) -> OpenAIServing:
     return serving
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, 200: STREAM},
+@router.post("/v1/completions", response_model=CompletionResponse, responses={**ROUTE_ERRORS, 200: STREAM},
              response_class=FastJSONResponse)
 async def completions(request: CompletionRequest, serving: OpenAIServing = Depends(ready_openai)):
     result = await serving.completion(request)
     return result if not isinstance(result, dict) else FastJSONResponse(result)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, 200: STREAM},
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ROUTE_ERRORS, 200: STREAM},
              response_class=FastJSONResponse)
 async def chat_completions(request: ChatCompletionRequest, serving: OpenAIServing = Depends(ready_openai)):
     result = await serving.chat(request)

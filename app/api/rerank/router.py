@@ -10,7 +10,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from app.api.common import FastJSONResponse, ready_engine
-from app.api.protocol import ErrorResponse
+from app.api.errors import ROUTE_ERRORS
 from app.api.rerank.formats import RerankPrompts
 from app.api.rerank.protocol import (
     AnyRerankRequest,
@@ -25,8 +25,6 @@ from app.engine.core import Engine
 from app.errors import InvalidRequestError
 
 router = APIRouter()
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
 
 def _prompts(http_request: Request) -> RerankPrompts:
@@ -72,14 +70,14 @@ async def rerank_tei(request: TeiRerankRequest, http_request: Request, engine: E
     return ranks
 
 
-@router.post("/v1/rerank", response_model=JinaRerankResponse, responses=_ERRORS, response_class=FastJSONResponse)
+@router.post("/v1/rerank", response_model=JinaRerankResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def rerank_v1(request: RerankRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
     results, usage = await rerank(request, http_request, engine)
     return FastJSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": engine.model_name, "usage": usage,
                              "results": results})
 
 
-@router.post("/rerank", response_model=JinaRerankResponse | list[TeiRank], responses=_ERRORS,
+@router.post("/rerank", response_model=JinaRerankResponse | list[TeiRank], responses=ROUTE_ERRORS,
              response_class=FastJSONResponse)
 async def rerank_plain(request: AnyRerankRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
     """The Jina/vLLM shape (`documents`), or Text Embeddings Inference's (`texts`), told apart by their fields."""
@@ -88,7 +86,7 @@ async def rerank_plain(request: AnyRerankRequest, http_request: Request, engine:
     return await rerank_v1(request, http_request, engine)
 
 
-@router.post("/v2/rerank", response_model=CohereRerankResponse, responses=_ERRORS, response_class=FastJSONResponse)
+@router.post("/v2/rerank", response_model=CohereRerankResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def rerank_v2(request: RerankRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
     if "return_documents" not in request.model_fields_set:
         request.return_documents = False  # Cohere v2 returns indices and scores only, unless asked

@@ -14,6 +14,7 @@ from app.api.rerank.protocol import RerankScoringFields
 from app.api.rerank.windows import DocumentPieces, LongDocumentPolicy, document_pieces
 from app.engine.core import Engine
 from app.engine.inputs import check_list_size
+from app.engine.work import ScoreQuery
 from app.errors import InvalidRequestError
 from sampler import SamplingParams
 
@@ -88,12 +89,12 @@ async def rank(engine: Engine, prompts: RerankPrompts, job: RerankJob) -> tuple[
         _pieces, prompts, job, engine.max_prompt_tokens, engine.settings.max_rerank_windows)
     token_ids = [head + piece + tail for document in documents for piece in document.pieces]
     if labels is None:
-        outcomes = await engine.run_prompts(token_ids, SamplingParams(label_token_ids=(prompts.yes_id, prompts.no_id)),
-                                            param=job.documents_param)
+        yes_no = SamplingParams(label_token_ids=(prompts.yes_id, prompts.no_id))
+        outcomes = (await engine.score(ScoreQuery(token_ids, yes_no, param=job.documents_param))).outcomes
         pairs = [o.labels.label_values for o in outcomes]  # raw logprobs of yes and no
     else:
-        outcomes = await engine.run_prompts(token_ids, SamplingParams(), labels.bound.candidates,
-                                            param=job.documents_param)
+        query = ScoreQuery(token_ids, SamplingParams(), labels.bound.candidates, job.documents_param)
+        outcomes = (await engine.score(query)).outcomes
         pairs = [label_scores(labels.bound, o.candidate_values).logprobs for o in outcomes]
     scores, at = [], 0
     for index, document in enumerate(documents):

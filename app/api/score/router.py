@@ -5,17 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from app.api.common import FastJSONResponse, ready_engine
-from app.api.protocol import ErrorResponse
+from app.api.errors import ROUTE_ERRORS
 from app.api.score import serving
 from app.api.score.protocol import ScoreRequest, ScoreResponse
 from app.engine.core import Engine
 
 router = APIRouter()
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 
-
-@router.post("/score", response_model=ScoreResponse, responses=_ERRORS, response_class=FastJSONResponse)
+@router.post("/score", response_model=ScoreResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def score(request: ScoreRequest, http_request: Request, engine: Engine = Depends(ready_engine)):
     body = await serving.score(engine, request)
     http_request.app.state.metrics.observe_usage(body["usage"])

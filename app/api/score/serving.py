@@ -1,4 +1,4 @@
-"""/score's serving: a ScoreRequest -> the engine's ScoreQuery -> ScoredPrompts -> the response body."""
+"""/score's serving: a ScoreRequest -> token ids in the engine's ScoreQuery -> ScoredPrompts -> the response body."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import uuid
 from app.api.common import finite, softmax_over, usage
 from app.api.judge.label_requests import label_fields, logprobs_mode_of, request_labels
 from app.api.judge.label_scores import label_scores
+from app.api.score.prompts import ScorePrompts
 from app.api.score.protocol import ScoreRequest
 from app.engine.core import Engine
 from app.engine.results import ScoredPrompts, ScoreOutcome
@@ -18,15 +19,19 @@ from app.errors import InvalidRequestError
 from sampler import SamplingParams
 
 
-def to_query(request: ScoreRequest, candidates: list[list[int]] | None = None) -> ScoreQuery:
-    """The engine's query; `candidates` (a label set's forms as token ids) stand in for the request's own."""
-    return ScoreQuery(
-        query=request.query, items=request.items, label_token_ids=request.label_token_ids,
-        candidates=request.candidates if candidates is None else candidates, item_first=request.item_first,
-        add_special_tokens=request.add_special_tokens,
-        truncate_prompt_tokens=request.truncate_prompt_tokens, logprobs_mode=request.logprobs_mode,
-        top_logprobs=request.top_logprobs, temperature=request.temperature, top_k=request.top_k,
-        top_p=request.top_p, min_p=request.min_p, logit_bias=request.logit_bias, model=request.model)
+def score_query(engine: Engine, request: ScoreRequest, candidates: list[tuple[int, ...]] | None = None) -> ScoreQuery:
+    """The request as the engine's token ids, every input checked; `candidates` (a label set's forms as token ids)
+    stand in for the request's own. Tokenizes: runs on the engine's tokenizer thread."""
+    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    candidates = request.candidates if candidates is None else candidates
+    params = render.sampling_params(
+        request.label_token_ids, candidates, request.top_logprobs, request.logprobs_mode, request.logit_bias,
+        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, min_p=request.min_p)
+    prompts = render.prompts(request.query, request.items, item_first=request.item_first,
+                             add_special_tokens=request.add_special_tokens,
+                             truncate_prompt_tokens=request.truncate_prompt_tokens)
+    param = "query" if request.items is None else "items"
+    return ScoreQuery(prompts, params, render.candidates(candidates, prompts, param), param)
 
 
 async def score(engine: Engine, request: ScoreRequest) -> dict:
@@ -35,7 +40,9 @@ async def score(engine: Engine, request: ScoreRequest) -> dict:
         return await score_labels(engine, request)
     if request.calibrated:
         raise InvalidRequestError("calibrated applies to a named label set (`labels`)", "calibrated")
-    return score_body(engine, request.apply_softmax, await engine.score(to_query(request)))
+    engine.checks.model(request.model)
+    query = await engine.on_tokenizer_thread(score_query, engine, request)
+    return score_body(engine, request.apply_softmax, await engine.score(query))
 
 
 async def score_labels(engine: Engine, request: ScoreRequest) -> dict:
@@ -46,7 +53,8 @@ async def score_labels(engine: Engine, request: ScoreRequest) -> dict:
     engine.checks.model(request.model)
     mode = logprobs_mode_of(engine, request.logprobs_mode)
     labels = await request_labels(engine, request.labels, mode, request.calibrated)
-    result = await engine.score(to_query(request, [list(c) for c in labels.bound.candidates]))
+    query = await engine.on_tokenizer_thread(score_query, engine, request, list(labels.bound.candidates))
+    result = await engine.score(query)
     data = [{"index": i, **label_fields(labels, label_scores(labels.bound, o.candidate_values))}
             for i, o in enumerate(result.outcomes)]
     return _body(engine, result, data)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from app.api.common import FastJSONResponse, loaded_engine
+from app.api.errors import ROUTE_ERRORS
 from app.api.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -15,7 +16,7 @@ from app.api.openai.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
-from app.api.openai.router import ERRORS, openai_serving
+from app.api.openai.router import openai_serving
 from app.api.openai.serving import OpenAIServing
 from app.errors import InvalidRequestError
 
@@ -31,7 +32,7 @@ async def tokenizer_serving(request: Request) -> OpenAIServing:
     return openai_serving(request, await loaded_engine(request))
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS, response_class=FastJSONResponse)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    serving: OpenAIServing = Depends(tokenizer_serving)):
     serving.checks.model(request.model)
@@ -56,7 +57,7 @@ def _tokenized(serving: OpenAIServing, request: TokenizeCompletionRequest | Toke
     }
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS, response_class=FastJSONResponse)
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def detokenize(request: DetokenizeRequest, serving: OpenAIServing = Depends(tokenizer_serving)):
     serving.checks.model(request.model)
     serving.checks.token_ids(request.tokens, "tokens")
@@ -77,7 +78,7 @@ def _jsonable(value):
     return str(value)
 
 
-@router.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=ERRORS)
+@router.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=ROUTE_ERRORS)
 async def tokenizer_info(serving: OpenAIServing = Depends(tokenizer_serving)):
     tokenizer = serving.loaded.tokenizer
     info = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items() if k not in _LOCAL_KEYS}
