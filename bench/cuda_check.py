@@ -1,7 +1,8 @@
 """One-shot check and measurement of the CUDA path on a lent GPU machine: `python bench/cuda_check.py --out DIR`.
 
 Sections (--sections, all by default): env; gemm (the bf16 and fp32 matmul peaks); varlen (the packed-attention op's
-varlen kernel against the per-segment loop on the same inputs: max |difference| and ms); then per model (`model`:
+varlen kernel against the per-segment loop on the same inputs: max |difference| and ms); cascade (packed suffixes'
+attention: masked loop, varlen over gathered keys, cascade; max |difference| and ms); then per model (`model`:
 --model, a GGUF file, a bundled name or an HF folder, random weights for a folder without any; `gemma`:
 Gemma-3-270M's shape with random weights): accuracy against plain float32 transformers (max and p95 over each
 prompt's top-20 tokens), in-process throughput with and without varlen, kernels (profiler) and syncs (sync debug
@@ -128,6 +129,56 @@ def section_varlen(args, device) -> dict:
                         "loop_ms": timed_ms(device, lambda run=run: run(LOOP)),
                         "varlen_ms": timed_ms(device, lambda run=run: run(VARLEN))})
     return {"rows": out}
+
+
+def section_cascade(args, device) -> dict:
+    """Packed suffixes over their queries' states (models/prefix.py's call): attention as SDPA under the row's mask
+    per group (the loop), varlen over keys gathered per segment, and cascade attention (models/cascade.py); each
+    against a float32 run of the loop (max |difference|) and ms, bf16 (float32 on CPU, where varlen does not run)."""
+    import random
+
+    from models.attention_cuda import VARLEN, runs_varlen_on
+    from models.packed import LOOP, _AttentionLayer, packed_row, packed_sdpa_attention
+    from models.prefix import _Segments
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    queries = [rng.randint(150, 400) for _ in range(8)]
+    starts = [sum(queries[:i]) for i in range(len(queries))]
+    items = [(p, rng.randint(8, 30)) for p in range(len(queries)) for _ in range(30)]
+    lengths = [n for _, n in items]
+    spans = [(starts[p], starts[p] + queries[p]) for p, _ in items]
+    past, total = sum(queries), sum(lengths)
+    segments = _Segments(lengths, spans, [queries[p] for p, _ in items])
+    mask = segments.mask(past)[None, None].to(device)  # [1, 1, T, past + T]
+    out = []
+    for shape, (heads, kv_heads, dim) in {"smollm2 (9/3 heads x 64)": (9, 3, 64),
+                                          "gemma3 (4/1 heads x 256)": (4, 1, 256)}.items():
+        q = torch.randn(1, heads, total, dim, generator=generator).to(device)
+        k = torch.randn(1, kv_heads, past + total, dim, generator=generator).to(device)
+        v = torch.randn(1, kv_heads, past + total, dim, generator=generator).to(device)
+
+        def run(kernel, cascade, q=q, k=k, v=v, groups=heads // kv_heads, dtype=dtype):
+            row = packed_row(device, kernel, lengths, spans, own_mask=True, past=past, cascade=cascade)
+            return packed_sdpa_attention(_AttentionLayer(groups), q.to(dtype), k.to(dtype), v.to(dtype),
+                                         None if cascade else mask, packed_row=row, scaling=dim ** -0.5)[0]
+
+        exact = run(LOOP, False, dtype=torch.float32).float()
+        variants = {"masked_loop": (LOOP, False)}
+        if runs_varlen_on(device):
+            variants.update(gathered_varlen=(VARLEN, False), cascade_varlen=(VARLEN, True))
+        else:
+            variants["cascade_cpu"] = (LOOP, True)
+        entry: dict = {"shape": shape, "query_tokens": past, "item_tokens": total}
+        for name, (kernel, cascade) in variants.items():
+            try:
+                entry[f"{name}_max_abs_diff"] = (run(kernel, cascade).float() - exact).abs().max().item()
+                entry[f"{name}_ms"] = timed_ms(device, lambda kernel=kernel, cascade=cascade: run(kernel, cascade))
+            except Exception as exc:  # noqa: BLE001 - one variant that cannot run must not cost the others
+                entry[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+        out.append(entry)
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": out}
 
 
 def _reference(spec: str, cache_dir: Path, device, prompts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -476,7 +527,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="smollm2-135m", help="the model of the model and http sections")
-    p.add_argument("--sections", default="env,gemm,varlen,gemma,model,http")
+    p.add_argument("--sections", default="env,gemm,varlen,cascade,gemma,model,http")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="an HF folder with the tokenizer the gemma section's random model gets (default: --model's)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="the model sections' dtypes")
@@ -504,6 +555,7 @@ def main() -> int:
         "env": lambda: section_env(args, device),
         "gemm": lambda: section_gemm(args, device),
         "varlen": lambda: section_varlen(args, device),
+        "cascade": lambda: section_cascade(args, device),
         "gemma": lambda: section_model(args, device, str(random_gemma_dir(args.cache_dir, args.tokenizer)),
                                        "Gemma-3-270M shape, random weights"),
         "model": lambda: section_model(args, device, args.model, args.model),

@@ -129,3 +129,69 @@ def spanned_attention_fast(row, query: torch.Tensor, key: torch.Tensor, value: t
             v = v.repeat_interleave(key_value_groups, dim=1)
     out = varlen_attn(q, k, v, row.cu_seqlens, row.cu_seqlens_k, row.max_length, row.max_key_length, **extra)
     return out[None]  # [1, T, H, D]
+
+
+def varlen_lse_refusal() -> str | None:
+    """Why this torch's varlen kernel cannot serve cascade attention (None: it can): cascade needs its log-sum-exp."""
+    found = _varlen()
+    if found is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if "return_aux" not in found[1]:
+        return f"torch {torch.__version__}'s varlen_attn returns no log-sum-exp"
+    return None
+
+
+def _lse_tokens_first(lse: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
+    """varlen_attn's log-sum-exp as [T, H] float32: flash attention's kernel hands it back heads first, [H, T]."""
+    if lse.shape == (heads, tokens):
+        return lse.float().transpose(0, 1)
+    if lse.shape == (tokens, heads):
+        return lse.float()
+    raise RuntimeError(f"varlen_attn returned a log-sum-exp of shape {tuple(lse.shape)} for {tokens} x {heads}")
+
+
+def cascade_attention_cuda(row, runs, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           key_value_groups: int, scaling: float | None) -> torch.Tensor | None:
+    """models/cascade.py cascade_attention through varlen_attn: one causal call over every segment's own keys, one
+    non-causal call per run of segments reading the same span (its keys a slice of the past, not gathered per
+    segment), merged by log-sum-exp. [1, T, H, D], or None where the kernel cannot run.
+
+    query [1, H, T, D]; key, value [1, H_kv, past + T, D]; row a models/packed.py PackedRow built with cascade=True
+    (its run_cu holds each run's boundaries on the device, in the order of `runs`); runs (a, b, s, e): queries a:b
+    read keys s:e.
+    """
+    from models.cascade import merge_by_lse
+
+    found = _varlen()
+    if (row.kernel != VARLEN or found is None or "return_aux" not in found[1] or query.device.type not in _DEVICE_TYPES
+            or query.dtype not in _DTYPES or (runs and row.run_cu is None)):
+        return None
+    varlen_attn, params = found
+    from torch.nn.attention.varlen import AuxRequest
+
+    tokens, heads = query.shape[2], query.shape[1]
+    past = key.shape[2] - tokens
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [past + T, H_kv, D]
+    v = value[0].transpose(0, 1)
+    extra: dict = {"scale": scaling, "return_aux": AuxRequest(lse=True)}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # each key/value head serves key_value_groups query heads in a row, as transformers' repeat_kv
+            k = k.repeat_interleave(key_value_groups, dim=1)
+            v = v.repeat_interleave(key_value_groups, dim=1)
+
+    def call(q_part, k_part, v_part, cu_q, cu_k, max_q, max_k, causal):
+        if "window_size" in params:
+            mode = {"window_size": (-1, 0) if causal else (-1, -1)}
+        else:
+            mode = {"is_causal": causal}
+        out, lse = varlen_attn(q_part, k_part, v_part, cu_q, cu_k, max_q, max_k, **extra, **mode)
+        return out, _lse_tokens_first(lse, q_part.shape[0], heads)  # [L, H, D], [L, H]
+
+    out, lse = call(q, k[past:], v[past:], row.cu_seqlens, row.cu_seqlens, row.max_length, row.max_length, True)
+    for i, (a, b, s, e) in enumerate(runs):
+        spanned, spanned_lse = call(q[a:b], k[s:e], v[s:e], row.run_cu[i, 0], row.run_cu[i, 1], b - a, e - s, False)
+        out[a:b] = merge_by_lse(out[a:b], lse[a:b], spanned, spanned_lse)
+    return out[None]  # [1, T, H, D]

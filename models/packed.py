@@ -48,11 +48,16 @@ class PackedRow:
     # Whether the caller built the row's mask itself (models/prefix.py): then a segment with an empty span sees
     # exactly its own tokens causally, by construction, with no need to look at the mask on the device.
     own_mask: bool = False
+    # Segments attend to their spans by cascade attention (models/cascade.py): the caller built no mask for the row.
+    cascade: bool = False
     # For a kernel over spans (own_mask rows only): the key rows each segment reads, its span's then its own, back to
     # back, [sum of (span + length)] int64, and their boundaries [n + 1] int32, on the device; the longest.
     key_index: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_key_length: int = 0
+    # For cascade attention on CUDA: per run of segments reading one span (models/cascade.py prefix_runs), its query
+    # and key boundaries [[0, L], [0, span]], [runs, 2, 2] int32 on the device, uploaded once per call.
+    run_cu: torch.Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -63,22 +68,29 @@ LOOP = "loop"  # per-segment SDPA: the reference implementation, and the fallbac
 
 
 def packed_row(device: torch.device, kernel: str, lengths: Sequence[int],
-               spans: Sequence[tuple[int, int]] | None = None, own_mask: bool = False, past: int = 0) -> PackedRow:
+               spans: Sequence[tuple[int, int]] | None = None, own_mask: bool = False, past: int = 0,
+               cascade: bool = False) -> PackedRow:
     """The PackedRow of segments of `lengths` laid back to back, for a call on `device` through `kernel` (the plan's
     attention_kernel, models/plan.py); `past`: key rows before the row's own (a shared prefix's states), which spans
-    may point into."""
+    may point into; `cascade`: the segments read their spans by cascade attention, with no mask (the plan's
+    prefix_attention)."""
     bounds = [0, *packed_ends(lengths)]
     cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), device)
     spans = None if spans is None else tuple((int(s), int(e)) for s, e in spans)
     keys: dict = {}
-    if spans is not None and own_mask and kernel != LOOP and all(lengths):  # a kernel call has no empty segment
+    if spans is not None and own_mask and not cascade and kernel != LOOP and all(lengths):  # a kernel call has no empty segment
         index = [k for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])
                  for k in (*range(s, e), *range(past + a, past + b))]
         sizes = [e - s + b - a for (s, e), a, b in zip(spans, bounds[:-1], bounds[1:])]
         keys = {"key_index": to_device(torch.tensor(index, dtype=torch.long), device),
                 "cu_seqlens_k": to_device(torch.tensor([0, *packed_ends(sizes)], dtype=torch.int32), device),
                 "max_key_length": max(sizes, default=0)}
-    return PackedRow(tuple(bounds), cu_seqlens, max(lengths, default=0), spans, kernel, own_mask, **keys)
+    if spans is not None and own_mask and cascade and device.type == "cuda":
+        runs = [run for run in _groups(bounds, spans, bounds[-1]) if run[2] < run[3]]
+        cu = torch.tensor([[[0, b - a], [0, e - s]] for a, b, s, e in runs], dtype=torch.int32).reshape(-1, 2, 2)
+        keys["run_cu"] = to_device(cu, device)
+    return PackedRow(tuple(bounds), cu_seqlens, max(lengths, default=0), spans, kernel, own_mask, cascade and own_mask,
+                     **keys)
 
 
 def packed_ends(lengths: Sequence[int]) -> list[int]:
@@ -143,7 +155,9 @@ def packed_sdpa_attention(
     spans may point into the row itself: a prefix prefilled in the same call as its suffixes (its own span
     empty). Segments that read the same part are merged into groups of up to SUFFIX_GROUP_TOKENS queries, and a
     group attends to that part plus its own keys under its block of that mask, instead of every query to all
-    past + T keys: the keys it skips are masked out for it anyway.
+    past + T keys: the keys it skips are masked out for it anyway. Where the plan runs cascade attention (the row
+    says so), the caller built no mask: models/cascade.py reads each span's keys in one non-causal call and each
+    segment's own causally, merged by log-sum-exp.
 
     Anything else the layer passes (attention sinks, soft-capping, a non-causal layer) raises PackingUnsupported
     rather than being dropped.
@@ -173,6 +187,12 @@ def packed_sdpa_attention(
     if not spanned:
         return segment_attention(query, key, value, attention_mask, row.cu_seqlens, list(row.bounds), row.max_length,
                                  groups, kwargs.get("scaling"), kwargs.get("sliding_window"), row.kernel), None
+    if row.cascade:
+        # no mask was built: the prefix's keys in one call per span, each segment's own causally, merged
+        from models.cascade import cascade_attention
+
+        return cascade_attention(row, query, key, value, groups, kwargs.get("scaling"), kwargs.get("sliding_window"),
+                                 kwargs.get("dropout")), None
     if row.key_index is not None:
         # the caller's mask says exactly "its span, then its own tokens causally": a kernel over gathered keys
         from models.attention_cuda import spanned_attention_fast

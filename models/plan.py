@@ -16,6 +16,10 @@ PrefixReuse = Literal["off", "key_values", "whole_cache"]
 # How generation advances: rows batched in one key/value cache, each row alone with the model's own cache, or each
 # token by a full forward over the sequence so far (for a model that keeps no cache object of its own).
 Decoding = Literal["batched", "per_request", "recompute"]
+# How packed suffixes attend to their shared prefix (models/packed.py): SDPA under the mask of what each token sees,
+# or cascade attention (models/cascade.py): the prefix's keys in one non-causal call, their own keys causally,
+# merged by log-sum-exp, with no mask.
+PrefixAttention = Literal["masked", "cascade"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class ForwardPlan:
     attention_kernel: str = "loop"
     # CUDA graphs of packed calls, one per bucket of packed lengths (models/cuda_graphs.py PackedGraphs), or None.
     graphs: object | None = None
+    prefix_attention: PrefixAttention = "masked"
     held_head: nn.Module | None = None  # a module the head holds beside the model's weights (a pre-packed lm_head)
     checks: tuple[PathCheck, ...] = ()
     tolerance: float | None = None
@@ -68,7 +73,8 @@ class ForwardPlan:
         """What /v1/models reports: each decision, and each path's verdict with its reason."""
         return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3), "layout": self.layout,
                 "prefix_reuse": self.prefix_reuse, "decoding": self.decoding,
-                "attention_kernel": self.attention_kernel, "batch_invariant": self.batch_invariant,
+                "attention_kernel": self.attention_kernel,
+                "prefix_attention": self.prefix_attention, "batch_invariant": self.batch_invariant,
                 "cuda_graph_buckets": [] if self.graphs is None else self.graphs.bucket_tokens,
                 "stateful_layers": list(self.stateful_layers),
                 "paths": [asdict(check) for check in self.checks]}

@@ -227,12 +227,13 @@ def _prefix_and_suffixes_pass(model: PreTrainedModel, plan: ForwardPlan, prefixe
     segments = _Segments(lengths, spans, positions)
     device = model.device
     cache = DynamicCache(config=model.config)
+    cascade = plan.prefix_attention == "cascade"
     hidden = plan.body(
         input_ids=to_device(torch.tensor(tokens, dtype=torch.long)[None], device),
-        attention_mask=to_device(segments.mask(0)[None, None], device),
+        attention_mask=_unread_mask(len(tokens), 0, device) if cascade else to_device(segments.mask(0)[None, None], device),
         position_ids=to_device(segments.positions[None], device),
         use_cache=True, cu_seq_lens_q=segments.boundaries, **{PAST_SPANS: segments.spans},
-        **{PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True)},
+        **{PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True, cascade=cascade)},
         **{cache_kwarg(plan.body): cache},
     ).last_hidden_state[0]  # [T, H]
     bounds = [0, *packed_ends(lengths)]  # segment i is bounds[i]:bounds[i + 1]
@@ -415,17 +416,28 @@ def _packed_suffix_pass(model: PreTrainedModel, plan: ForwardPlan, rows: Sequenc
             for i in range(len(prefixes[0].keys))
         ]
         packing = {}
+        cascade = plan.layout == "packed" and plan.prefix_attention == "cascade"
         if plan.layout == "packed":
             # Suffix boundaries let packed attention skip the keys of other suffixes and prefixes (models/packed.py).
             packing = {"cu_seq_lens_q": segments.boundaries, PAST_SPANS: segments.spans,
-                       PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True, past=past)}
+                       PACKED_ROW: packed_row(device, plan.attention_kernel, lengths, spans, own_mask=True, past=past,
+                                              cascade=cascade)}
+        mask = _unread_mask(total, past, device) if cascade else to_device(segments.mask(past)[None, None], device)
         hidden = plan.body(
             input_ids=to_device(input_ids, device),
-            attention_mask=to_device(segments.mask(past)[None, None], device),  # [1, 1, T, past + T]
+            attention_mask=mask,  # [1, 1, T, past + T]
             position_ids=to_device(segments.positions[None], device), use_cache=True,
             **{cache_kwarg(plan.body): cache}, **packing,
         ).last_hidden_state[0]  # [T, H]
     return _kept_states(rows, [None] * len(rows) if hidden is None else hidden.split(lengths))
+
+
+def _unread_mask(tokens: int, past: int, device: torch.device) -> torch.Tensor:
+    """The attention mask of a cascade call, [1, 1, T, past + T]: cascade attention (models/cascade.py) reads no
+    mask, but a 4D one keeps transformers from building its own for the row. A broadcast view of one element: no
+    T x (past + T) tensor is built. Nothing reads it: a cascade call that cannot run raises instead of falling
+    back to masked attention."""
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(1, 1, tokens, past + tokens)
 
 
 def _concat_prefixes(states: Sequence[PrefixState], layer: int, pick) -> torch.Tensor:

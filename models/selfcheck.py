@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, runs_varlen_on
 from models.body import find_body, returned_cache
+from models.cascade import CASCADE, CASCADE_PATH, NEEDS_PACKED_SUFFIXES, model_refusal
 from models.cache_reuse import stateful_layers
 from models.compiled import compile_layers, uncompile_layers
 from models import cuda_graphs
@@ -69,7 +70,7 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             GRAPHS_NEED_VARLEN)
+             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -227,6 +228,20 @@ def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
         checker.record(PathCheck(WHOLE_CACHE_PREFIX, False, None, NO_CACHE_OBJECT))
         return
     checker.attempt(WHOLE_CACHE_PREFIX, replace(checker.plan, prefix_reuse="whole_cache"), checker.prefix_error)
+
+
+def _cascade(checker: _Checker) -> None:
+    """Packed suffixes attend to their prefix by cascade attention (models/cascade.py) instead of SDPA under a mask
+    built for the row; kept only if both packed-suffix calls (over prefilled states, and prefixes with their
+    suffixes) agree with the plain forward. A layer it cannot honour (a sliding window, dropout) raises, which
+    switches it off. Not tried where suffixes do not run packed (among others, under --batch-invariant)."""
+    model, plan = checker.model, checker.plan
+    reason = NEEDS_PACKED_SUFFIXES if not plan.packed_suffixes or plan.layout != "packed" else model_refusal(
+        model.device, plan.attention_kernel)
+    if reason is not None:
+        checker.record(PathCheck(CASCADE_PATH, False, None, reason))
+        return
+    checker.attempt(CASCADE_PATH, replace(plan, prefix_attention=CASCADE), checker.packed_suffixes_error)
 
 
 def _decoding(checker: _Checker) -> None:
@@ -446,6 +461,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     _guarded(checker, GRAPHS_PATH, _cuda_graphs, batch_invariant)
     checker.record(_compile_check(checker, compile, cache_dir, batch_invariant))
     _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)
+    _guarded(checker, CASCADE_PATH, _cascade)
     _guarded(checker, "batched_decoding", _decoding)
     if batch_invariant:
         checker.record(_make_invariant(checker, vocab_size, max_length, original_attention))
