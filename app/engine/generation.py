@@ -255,7 +255,9 @@ class Generator(ConsumerLoop):
         still_running = self._sample_and_report(new_choices, logits, events)
         if not still_running:
             return
-        joined = select_rows(batch, [new_rows[i] for i in still_running])
+        # each new row's buffers sized for its final length: no decode step reallocates the cache
+        joined = select_rows(batch, [new_rows[i] for i in still_running],
+                             [self._final_length(new_choices[i].group) for i in still_running])
         merged = merge(self._batch, joined)  # before touching self._rows: a failure here must leave them consistent
         self._rows += [new_choices[i] for i in still_running]
         self._batch = merged
