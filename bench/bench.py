@@ -2,7 +2,9 @@
 
 One command (`make bench`, or `python -m bench.bench`) drives the same deterministic workloads
 through every system at each concurrency and writes docs/benchmark/benchmark.md, benchmark.json and
-benchmark.png. Not part of the test suite.
+benchmark.png; then the generation cell (concurrent completions with n > 1) through genscore and vLLM CPU.
+`python -m bench.bench --only generation` runs that cell alone and writes generation.md/.json instead.
+Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import report
+from bench import generation_cell, report
 from bench.loop import closed_loop
 from bench.peak import gemm_gflops
 from bench.servers import (
@@ -29,7 +31,7 @@ from bench.servers import (
     start_genscore,
     start_llama,
 )
-from bench.vllm_peer import VllmClient, find_vllm_python, start_vllm, vllm_version
+from bench.vllm_peer import SERVED_NAME, VllmClient, find_vllm_python, start_vllm, vllm_version
 from bench.workload import WORKLOADS
 from models.cpu_features import native_bfloat16_missing
 
@@ -75,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmark",
                    help="where benchmark.md/.json/.png go (the docs site shows docs/benchmark/benchmark.md)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("generation",), default=None,
+                   help="run only this part: generation (the generation cell, written to generation.md/.json)")
+    p.add_argument("--generation", default="4x4x128",
+                   help="the generation cell, CONCURRENCYxNxMAX_TOKENS ('' for none)")
+    p.add_argument("--generation-requests", type=int, default=8, help="requests per pass, generation cell")
+    p.add_argument("--generation-temperature", type=float, default=1.0,
+                   help="sampling temperature of the generation cell (0: greedy); each request has its own seed")
     return p.parse_args(argv)
 
 
@@ -203,12 +212,78 @@ def run_vllm(args, python: str, model_dir: Path, dtype: str, workloads: dict, le
             "peak_rss_mb": max(s["peak_rss_mb"] for s in servers), "pss_mb": max(s["pss_mb"] for s in servers)}
 
 
+def run_generation(args, tokenizer, dtypes: list[str], systems: set[str]) -> dict:
+    """The generation cell through genscore over HTTP and vLLM CPU (when installed), float32 and bfloat16 as asked."""
+    cell = generation_cell.GenerationCell.parse(args.generation, args.generation_requests,
+                                                args.generation_temperature, args.seed)
+    prompts = generation_cell.generation_prompts(tokenizer, cell.requests, seed=args.seed + 7)
+    out: dict = {"label": cell.label, "systems": {}, "ratios": {}}
+    log(f"generation cell: {cell.label}, {sum(len(p) for p in prompts)} prompt tokens")
+    vllm_python = find_vllm_python(args.vllm_python, REPO)
+    model_dir = model_dir_for_peers(args.model, args.cache_dir)
+    for dtype in dtypes:
+        short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+        if "genscore" in systems:
+            log(f"genscore over HTTP ({dtype}), generation")
+            server = start_genscore(args.model, dtype, args.cache_dir,
+                                    args.cache_dir.parent / f"genscore-{dtype}-generation.log")
+            try:
+                out["systems"][f"genscore HTTP {short}"] = asyncio.run(generation_cell.run_cell(
+                    server.base_url, cell, prompts, min(args.warmup, 1), args.repeats))
+            finally:
+                server.stop()
+            log(f"  {out['systems'][f'genscore HTTP {short}']['tokens_per_s']:.1f} tokens/s")
+        if "vllm" in systems and (vllm_python is None or model_dir is None):
+            log("vLLM not installed (run `make bench-peers`) or no HF directory of the model; no vLLM generation")
+        elif "vllm" in systems:
+            log(f"vLLM CPU ({dtype}), generation")
+            server = start_vllm(vllm_python, model_dir, dtype, False, None,
+                                args.cache_dir.parent / f"vllm-{dtype}-generation.log", args.threads,
+                                kv_cache_gib=args.vllm_kv_cache_gib)
+            try:
+                out["systems"][f"vLLM CPU {short}"] = asyncio.run(generation_cell.run_cell(
+                    server.base_url, cell, prompts, min(args.warmup, 1), args.repeats, model=SERVED_NAME))
+            finally:
+                server.stop()
+            log(f"  {out['systems'][f'vLLM CPU {short}']['tokens_per_s']:.1f} tokens/s")
+        ours, theirs = out["systems"].get(f"genscore HTTP {short}"), out["systems"].get(f"vLLM CPU {short}")
+        if ours and theirs:
+            out["ratios"][f"HTTP {short}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    return out
+
+
+def only_generation(args, dtypes: list[str], systems: set[str]) -> int:
+    """`--only generation`: the generation cell alone, written beside the full report (never over it)."""
+    from transformers import AutoTokenizer
+
+    from models.loading import resolve_source
+
+    source = resolve_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+    if "bfloat16" in dtypes and native_bfloat16_missing() is not None:
+        dtypes.remove("bfloat16")
+    results = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_facts(),
+               "loadavg_start": os.getloadavg()}
+    results["generation"] = run_generation(args, tokenizer, dtypes, systems)
+    results["loadavg_end"] = os.getloadavg()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "generation.json").write_text(json.dumps(results))
+    text = "\n".join([f"# Generation cell ({results['machine']['cpu']}, {results['machine']['cores']} cores, load "
+                      f"{results['loadavg_start'][0]:.1f} at the start)", "",
+                      *generation_cell.markdown(results["generation"])])
+    (args.out / "generation.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     items_concurrency = [int(c) for c in args.items_concurrency.split(",")] if args.items_concurrency else concurrency
     systems = set(args.systems.split(","))
     dtypes = args.dtypes.split(",")
+    if args.only == "generation":
+        return only_generation(args, dtypes, systems)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -322,6 +397,9 @@ def main(argv=None) -> int:
                 short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
                 results["systems"][f"vLLM CPU {short}"] = run_vllm(args, vllm_python, model_dir, dtype, workloads,
                                                                    levels)
+
+    if args.generation:
+        results["generation"] = run_generation(args, tokenizer, dtypes, systems)
 
     # Measured again at the end; the higher of the two is the peak (other load only ever lowers it).
     for dtype, first in list(results["gemm_gflops"].items()):

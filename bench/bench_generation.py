@@ -1,14 +1,20 @@
 """Generation throughput: genscore's continuous-batching loop (in-process, no HTTP) against transformers'
-generate() one prompt at a time, greedy, on the same float32 model. Prints a markdown table.
+generate() one prompt at a time, greedy, on the same float32 model; or, with --baseline, against another checkout's
+decode loop in the same process (A/B, interleaved). Prints a markdown table.
 
-    python bench/bench_generation.py [--model smollm2-135m] [--new-tokens 32] [--concurrency 1 4 16]
+    python bench/bench_generation.py [--model smollm2-135m] [--n 4] [--new-tokens 128] [--concurrency 1 4 16]
+        [--long 16x256] [--baseline /work/main --repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,26 +33,51 @@ def prompts(count: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(8 + (i * 11) % 33)) for i in range(count)]
 
 
-async def genscore_run(loaded, device, texts: list[str], new_tokens: int, concurrency: int) -> tuple[float, int]:
-    generator = Generator(loaded, Settings(model="unused", device=str(loaded.device)), device=device)
+def baseline_generator(checkout: Path) -> type:
+    """The Generator of another checkout's decode loop (its models/decoding.py and app/engine/generation.py; every
+    other module is this checkout's), so both loops run in one process on one loaded model."""
+
+    def load(name: str, path: Path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+        return module
+
+    decoding = load("baseline_decoding", checkout / "models" / "decoding.py")
+    ours = sys.modules["models.decoding"]
+    sys.modules["models.decoding"] = decoding  # what the baseline's `from models.decoding import ...` binds
+    try:
+        return load("baseline_generation", checkout / "app" / "engine" / "generation.py").Generator
+    finally:
+        sys.modules["models.decoding"] = ours
+
+
+async def genscore_run(generator_class: type, loaded, device, texts: list[str], params: GenerationParams,
+                       concurrency: int) -> tuple[float, int, list[str]]:
+    """`concurrency` clients sending `texts` one after another; (seconds, tokens generated, every choice's text)."""
+    generator = generator_class(loaded, Settings(model="unused", device=str(loaded.device)), device=device)
     generator.start()
     await generator.warm_up()
-    params = GenerationParams(max_tokens=new_tokens, sampling=SamplingParams(temperature=0.0))
-    queue = list(texts)
+    queue = list(enumerate(texts))
     generated = 0
+    outputs: dict[tuple[int, int], str] = {}
 
     async def client() -> None:
         nonlocal generated
         while queue:
-            ids = loaded.tokenizer(queue.pop())["input_ids"]
+            number, text = queue.pop()
+            ids = loaded.tokenizer(text)["input_ids"]
             async for update in generator.generate(ids, params):
                 generated += len(update.token_ids)
+                key = (number, update.choice)
+                outputs[key] = outputs.get(key, "") + update.text
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
     await generator.stop()
-    return elapsed, generated
+    return elapsed, generated, [outputs[k] for k in sorted(outputs)]
 
 
 def transformers_run(loaded, texts: list[str], new_tokens: int) -> tuple[float, int]:
@@ -64,27 +95,55 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4, help="choices per request")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--long", default="16x256", help="one more cell: one request of n x new tokens ('' for none)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout whose decode loop runs beside this one, interleaved (instead of generate())")
+    parser.add_argument("--repeats", type=int, default=1, help="passes per cell and loop (medians reported)")
     args = parser.parse_args()
-    # One thread loads the model and runs both systems (app/engine/device.py says why).
+    # One thread loads the model and runs every system (app/engine/device.py says why).
     device = device_thread()
     loaded = device.submit(load_model, args.model, args.device, args.dtype, Settings().cache_dir).result()
-    texts = prompts(args.requests)
+    greedy = SamplingParams(temperature=0.0)
+    cells = [(f"n={args.n}, {args.new_tokens} tokens", c, c * args.requests_per_client,
+              GenerationParams(max_tokens=args.new_tokens, sampling=greedy, n=args.n)) for c in args.concurrency]
+    if args.long:
+        n, tokens = (int(x) for x in args.long.split("x"))
+        cells.append((f"n={n}, {tokens} tokens", 1, 1, GenerationParams(max_tokens=tokens, sampling=greedy, n=n)))
+    loops = {"this checkout": Generator}
+    if args.baseline is not None:
+        loops = {f"baseline ({args.baseline})": baseline_generator(args.baseline), "this checkout": Generator}
     rows = []
-    elapsed, generated = device.submit(transformers_run, loaded, texts[: max(2, args.requests // 4)],
-                                       args.new_tokens).result()
-    rows.append(("transformers generate, one at a time", 1, generated, elapsed))
-    for concurrency in args.concurrency:
-        elapsed, generated = asyncio.run(genscore_run(loaded, device, texts, args.new_tokens, concurrency))
-        rows.append(("genscore generation loop", concurrency, generated, elapsed))
+    if args.baseline is None:
+        texts = prompts(2)
+        elapsed, generated = device.submit(transformers_run, loaded, texts, args.new_tokens).result()
+        rows.append(("transformers generate, one at a time", "n=1", 1, [generated / elapsed], None))
+    same_text = True
+    for label, concurrency, requests, params in cells:
+        texts = prompts(requests)
+        rates: dict[str, list[float]] = {name: [] for name in loops}
+        seen: dict[str, list[str]] = {}
+        for repeat in range(args.repeats):
+            order = list(loops.items()) if repeat % 2 == 0 else list(reversed(loops.items()))  # alternate who's first
+            for name, generator_class in order:
+                elapsed, generated, outputs = asyncio.run(
+                    genscore_run(generator_class, loaded, device, texts, params, concurrency))
+                rates[name].append(generated / elapsed)
+                print(f"{label}, concurrency {concurrency}, {name}: {generated / elapsed:.1f} tokens/s", flush=True)
+                same_text &= seen.setdefault(name, outputs) == outputs and outputs == next(iter(seen.values()))
+        for name in loops:
+            rows.append((f"genscore generation loop, {name}", label, concurrency, rates[name],
+                         statistics.median(rates[name]) / statistics.median(rates[next(iter(loops))])))
     print(f"\n{args.model} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}), "
-          f"{torch.get_num_threads()} threads, greedy, {args.new_tokens} new tokens per request\n")
-    print("| system | concurrency | tokens | seconds | tokens/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for system, concurrency, tokens, seconds in rows:
-        print(f"| {system} | {concurrency} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} |")
+          f"{torch.get_num_threads()} threads, greedy; every loop gave the same text: {same_text}\n")
+    print("| system | request | concurrency | tokens/s (median) | passes | vs first row of its cell |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for system, label, concurrency, rates, ratio in rows:
+        ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
+        print(f"| {system} | {label} | {concurrency} | {statistics.median(rates):.1f} | {len(rates)} | {ratio_text} |")
     device.shutdown()
 
 

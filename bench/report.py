@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench import generation_cell
 from bench.peak import prompt_flops
 
 
@@ -241,6 +242,7 @@ def markdown(results: dict, summary: dict) -> str:
         for system, w, level, counters in counted:
             lines.append(f"| {system} | {w} | {level} | "
                          + ", ".join(f"{k} {v:.0f}" for k, v in counters.items()) + " |")
+    lines += ["", *generation_cell.markdown(results.get("generation", {}))]  # the generation cell, when run
     lines += ["", "## Headline", "", headline(summary), ""]
     return "\n".join(lines)
 

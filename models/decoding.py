@@ -2,8 +2,9 @@
 trim shared left padding) that lets sequences join and leave between steps.
 
 Batched decoding (plan.decoding == "batched", proven at load for models whose cache is keys and values only): the
-running batch is a transformers DynamicCache whose rows are left-padded to a common length T, plus a 2D attention
-mask [B, T] (1 = real token). Positions are counted over real tokens only, so a sequence sees the positions it
+running batch is a key/value cache written in place (models/kv_buffer.py: per layer, buffers with room for every
+row's final length, so a step writes one column instead of copying the cache) whose rows are left-padded to a common
+length T, plus a 2D attention mask [B, T] (1 = real token). Positions are counted over real tokens only, so a sequence sees the positions it
 would see alone, whatever its neighbours. Otherwise each row decodes alone, as `generate` runs one sequence: with
 the cache the model makes for itself ("per_request"), or, for a model that keeps its state inside its modules, by
 a full forward over the sequence so far at each step ("recompute").
@@ -16,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
 from models.body import returned_cache, run_body
 from models.forward import pad_left
 from models.head import head_logits
+from models.kv_buffer import BufferCache, cache_of, select_into, stack_left_padded
 from models.plan import ForwardPlan
 
 
@@ -38,11 +39,21 @@ class RowState:
 
 @dataclass
 class DecodeBatch:
-    """The sequences being decoded together: one key/value cache with a mask of its real columns, or rows alone."""
+    """The sequences being decoded together: one key/value cache with a mask of its real columns, or rows alone.
 
-    cache: DynamicCache | None  # batched: per layer keys/values [B, H_kv, T, D]
+    `final_widths` (batched, optional) is the most columns each row can reach (its prompt plus its new tokens): the
+    cache's buffers are sized for the largest, so no step reallocates; without them a full buffer doubles.
+    """
+
+    cache: BufferCache | None  # batched: per layer keys/values [B, H_kv, T, D], views of [B, H_kv, capacity, D]
     attention_mask: torch.Tensor | None  # batched: [B, T] long, 1 = real token, left padding = 0
     rows: list[RowState] = field(default_factory=list)  # each row alone (cache is None)
+    final_widths: list[int] | None = None  # batched: per row, the width it may grow to
+
+    @property
+    def capacity(self) -> int:
+        """Columns to size the cache's buffers for: the largest final width (0 when unknown)."""
+        return max(self.final_widths, default=0) if self.final_widths else 0
 
     @property
     def size(self) -> int:
@@ -55,7 +66,7 @@ class DecodeBatch:
         return self.attention_mask.shape[1]
 
 
-def _run(plan: ForwardPlan, input_ids, attention_mask, position_ids, cache: DynamicCache) -> torch.Tensor:
+def _run(plan: ForwardPlan, input_ids, attention_mask, position_ids, cache: BufferCache) -> torch.Tensor:
     return run_body(plan.body, input_ids, cache=cache, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=True)
 
@@ -91,7 +102,7 @@ def prefill(model: PreTrainedModel, plan: ForwardPlan, sequences: Sequence[Seque
             out[b, width - states.shape[0]:] = states
         return out, DecodeBatch(None, None, rows)
     input_ids, attention_mask, position_ids = pad_left(sequences, pad_token_id, model.device)
-    cache = DynamicCache()  # full-attention layers only: rows are re-laid out on merge, which sliding layers forbid
+    cache = BufferCache()  # full-attention layers only: rows are re-laid out on merge, which sliding layers forbid
     hidden = _run(plan, input_ids, attention_mask, position_ids, cache)  # [B, T, H]
     return hidden, DecodeBatch(cache, attention_mask)
 
@@ -100,7 +111,7 @@ def prefill(model: PreTrainedModel, plan: ForwardPlan, sequences: Sequence[Seque
 def decode_step(model: PreTrainedModel, plan: ForwardPlan, batch: DecodeBatch, next_tokens: torch.Tensor
                 ) -> torch.Tensor:
     """Feed one token per row ([B] int64) and return the float32 next-token logits [B, V]; the batch grows by one
-    column. Rows alone: a row that already took its token in a step that failed on another row is not fed again."""
+    column, written into the cache's buffers in place. Rows alone: a row that already took its token in a step that failed on another row is not fed again."""
     if batch.cache is None:
         for row, token in zip(batch.rows, next_tokens.tolist()):
             if row.pending is None or row.pending[0] != token:
@@ -129,50 +140,32 @@ def drop_partial_step(batch: DecodeBatch, width: int) -> None:
             layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _layers(cache: BufferCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A cache holding these tensors themselves: DynamicCache(ddp_cache_data=...) would copy every layer once more
-    (its update concatenates onto an empty tensor), so merge and select_rows would peak at three caches, not two."""
-    cache = DynamicCache()
-    built = []
-    for keys, values in layers:
-        layer = DynamicLayer()
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys.contiguous(), values.contiguous()  # [B, H_kv, T, D]
-        built.append(layer)
-    cache.layers = built
-    return cache
-
-
 @torch.inference_mode()
-def select_rows(batch: DecodeBatch, rows: Sequence[int]) -> DecodeBatch:
-    """Keep (or repeat, or reorder) the given rows, then drop columns that became padding in every row."""
+def select_rows(batch: DecodeBatch, rows: Sequence[int], final_widths: Sequence[int] | None = None) -> DecodeBatch:
+    """Keep (or repeat, or reorder) the given rows, then drop columns that became padding in every row. `final_widths`
+    (one per kept row) replaces the rows' final widths; by default each keeps its own."""
     if batch.cache is None:
         picked, seen = [], set()
         for r in rows:  # a repeated row (several choices of one prompt) decodes on a copy of its state
             picked.append(copy.deepcopy(batch.rows[r]) if r in seen else batch.rows[r])
             seen.add(r)
         return DecodeBatch(None, None, picked)
-    index = torch.tensor(list(rows), dtype=torch.long, device=batch.attention_mask.device)
+    rows = list(rows)
+    if final_widths is None and batch.final_widths is not None:
+        final_widths = [batch.final_widths[r] for r in rows]
+    index = torch.tensor(rows, dtype=torch.long, device=batch.attention_mask.device)
     mask = batch.attention_mask.index_select(0, index)  # [b, T]
     real_columns = mask.any(dim=0).nonzero()
     start = int(real_columns[0]) if len(real_columns) else mask.shape[1]
-    # trim before selecting: index_select then writes the kept columns only, into fresh contiguous tensors
-    layers = [(k[:, :, start:].index_select(0, index.to(k.device)), v[:, :, start:].index_select(0, index.to(v.device)))
-              for k, v in _layers(batch.cache)]
-    return DecodeBatch(_cache_from(layers), mask[:, start:].contiguous())
-
-
-def _pad_columns_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+    capacity = max(final_widths, default=0) if final_widths else 0
+    # trimmed and selected straight into fresh buffers: the kept columns are written once, with room to grow
+    buffers = [select_into(k, v, index.to(k.device), start, capacity) for k, v in _layers(batch.cache)]
+    return DecodeBatch(cache_of(buffers, mask.shape[1] - start), mask[:, start:].contiguous(),
+                       final_widths=list(final_widths) if final_widths is not None else None)
 
 
 @torch.inference_mode()
@@ -183,10 +176,21 @@ def merge(first: DecodeBatch | None, second: DecodeBatch) -> DecodeBatch:
     if second.cache is None:
         return DecodeBatch(None, None, first.rows + second.rows)
     width = max(first.width, second.width)
-    layers = []
-    for (k1, v1), (k2, v2) in zip(_layers(first.cache), _layers(second.cache)):
-        layers.append((torch.cat([_pad_columns_left(k1, width, 2), _pad_columns_left(k2, width, 2)], dim=0),
-                       torch.cat([_pad_columns_left(v1, width, 2), _pad_columns_left(v2, width, 2)], dim=0)))
+    final_widths = None
+    if first.final_widths is not None and second.final_widths is not None:
+        final_widths = first.final_widths + second.final_widths
+    capacity = max(first.capacity, second.capacity)
+    buffers = [stack_left_padded([pair1, pair2], width, capacity)
+               for pair1, pair2 in zip(_layers(first.cache), _layers(second.cache))]
     mask = torch.cat([_pad_columns_left(first.attention_mask, width, 1),
                       _pad_columns_left(second.attention_mask, width, 1)], dim=0)  # [B1 + B2, T]
-    return DecodeBatch(_cache_from(layers), mask)
+    return DecodeBatch(cache_of(buffers, width), mask, final_widths=final_widths)
+
+
+def _pad_columns_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.admission import most_that_fit
+from app.engine.detokenize import IncrementalDetokenizer
 from app.engine.work import GenerationParams
 
 
@@ -48,6 +49,7 @@ class Choice:
     next_token: int = -1  # sampled, not yet fed to the model
     text: str = ""  # decoded output, stop string cut off
     sent: int = 0  # characters of `text` already handed out
+    detokenizer: IncrementalDetokenizer | None = None  # output_ids -> text, a few tokens a step
 
 
 @dataclass(frozen=True)

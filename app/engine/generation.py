@@ -16,6 +16,7 @@ from app.engine.admission import admit, deadline_error, time_left
 from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.decode_admission import Admission, Choice, PromptGroup, RowLimits, plan_admissions
 from app.engine.halves import Halves
+from app.engine.detokenize import IncrementalDetokenizer
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
@@ -246,7 +247,8 @@ class Generator(ConsumerLoop):
                 events.append((group, _DONE))
                 continue
             for index in range(first, first + count):
-                new_choices.append(Choice(group, index, seeded_generator(params.seed, index, device)))
+                new_choices.append(Choice(group, index, seeded_generator(params.seed, index, device),
+                                          detokenizer=IncrementalDetokenizer(self._tokenizer)))
                 new_rows.append(row)
         if not new_choices:
             return
@@ -254,7 +256,9 @@ class Generator(ConsumerLoop):
         still_running = self._sample_and_report(new_choices, logits, events)
         if not still_running:
             return
-        joined = select_rows(batch, [new_rows[i] for i in still_running])
+        # each new row's buffers sized for its final length: no decode step reallocates the cache
+        joined = select_rows(batch, [new_rows[i] for i in still_running],
+                             [self._final_length(new_choices[i].group) for i in still_running])
         merged = merge(self._batch, joined)  # before touching self._rows: a failure here must leave them consistent
         self._rows += [new_choices[i] for i in still_running]
         self._batch = merged
@@ -342,8 +346,14 @@ class Generator(ConsumerLoop):
         choice.output_ids.append(token)
         choice.next_token = token
         stopped_by_token = token in self.stop_token_ids
-        text_ids = choice.output_ids[:-1] if stopped_by_token else choice.output_ids
-        text = self._tokenizer.decode(text_ids, skip_special_tokens=True)
+        out_of_length = (len(choice.output_ids) >= params.max_tokens
+                         or len(choice.group.prompt_ids) + len(choice.output_ids) >= self.loaded.max_length)
+        detokenizer = choice.detokenizer
+        if not stopped_by_token:  # an end token is not part of the text
+            detokenizer.add(token)
+        if stopped_by_token or out_of_length:  # the last step: an unfinished character is text too
+            detokenizer.flush()
+        text = detokenizer.text  # = decode(output ids, end token excluded), grown by a few tokens' decode
         if params.stop:
             # a stop string can only have appeared where the text changed (its start may reach back into old text)
             search_from = max(0, len(choice.text) - max(len(s) for s in params.stop))
@@ -354,11 +364,7 @@ class Generator(ConsumerLoop):
         choice.text = text
         if stopped_by_token:
             return "stop"
-        if len(choice.output_ids) >= params.max_tokens:
-            return "length"
-        if len(choice.group.prompt_ids) + len(choice.output_ids) >= self.loaded.max_length:
-            return "length"
-        return None
+        return "length" if out_of_length else None
 
     def _penalized(self, logits: torch.Tensor, choices: list[Choice]) -> torch.Tensor:
         """Presence and frequency penalties over each choice's generated tokens (OpenAI's definition)."""
