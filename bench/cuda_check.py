@@ -159,10 +159,10 @@ def section_cascade(args, device) -> dict:
         k = torch.randn(1, kv_heads, past + total, dim, generator=generator).to(device)
         v = torch.randn(1, kv_heads, past + total, dim, generator=generator).to(device)
 
-        def run(kernel, cascade, q=q, k=k, v=v, groups=heads // kv_heads, dtype=dtype):
+        def run(kernel, cascade, q=q, k=k, v=v, groups=heads // kv_heads, dtype=dtype, scaling=dim ** -0.5):
             row = packed_row(device, kernel, lengths, spans, own_mask=True, past=past, cascade=cascade)
             return packed_sdpa_attention(_AttentionLayer(groups), q.to(dtype), k.to(dtype), v.to(dtype),
-                                         None if cascade else mask, packed_row=row, scaling=dim ** -0.5)[0]
+                                         None if cascade else mask, packed_row=row, scaling=scaling)[0]
 
         exact = run(LOOP, False, dtype=torch.float32).float()
         variants = {"masked_loop": (LOOP, False)}

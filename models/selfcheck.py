@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from models import cuda_graphs
 from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, runs_varlen_on
 from models.body import find_body, returned_cache
-from models.cascade import CASCADE, CASCADE_PATH, NEEDS_PACKED_SUFFIXES, model_refusal
 from models.cache_reuse import stateful_layers
+from models.cascade import CASCADE, CASCADE_PATH, NEEDS_PACKED_SUFFIXES, model_refusal
 from models.compiled import compile_layers, uncompile_layers
-from models import cuda_graphs
 from models.cuda_graphs import GRAPHS_PATH
 from models.decoding import decode_step, prefill
 from models.forward import forward_logits

@@ -15,8 +15,8 @@ import sampler
 from app.engine.admission import admit, deadline_error, time_left
 from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.decode_admission import Admission, Choice, PromptGroup, RowLimits, plan_admissions
-from app.engine.halves import Halves
 from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.halves import Halves
 from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator

@@ -53,7 +53,7 @@ class Halves(Generic[P]):
             half = units // 2
             self._pending += [_Cut(piece, half, units), _Cut(piece, 0, half)]
             return
-        self._log.error("%s failed for one %s on its own; its caller gets the error", self._what, self._unit,
+        self._log.error("%s failed on its own for one %s; its caller gets the error", self._what, self._unit,
                         exc_info=exc)
         self._fail_alone(piece, exc)
 

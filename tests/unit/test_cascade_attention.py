@@ -14,7 +14,7 @@ import models.prefix
 from models import load_model
 from models.head import head_logits
 from models.packed import PackingUnsupported, _AttentionLayer, packed_row, packed_sdpa_attention
-from models.prefix import SuffixRow, _Segments, forward_suffixes, prefill_prefixes, prefill_with_suffixes
+from models.prefix import SuffixRow, _Segments, forward_suffixes, prefill_with_suffixes
 from models.tiny import make_tiny_model
 from tests.reference import position_logits
 
