@@ -49,9 +49,13 @@ def refusal(window: int | None, dropout: float | None) -> str | None:
     return None
 
 
-def model_refusal(device: torch.device, attention_kernel: str) -> str | None:
-    """Why a model on `device` whose packed attention runs `attention_kernel` has no cascade kernel (None: it has one,
-    subject to the self-check): on CPU, ATen's flash kernel; on CUDA, the varlen kernel with its log-sum-exp."""
+def model_refusal(device: torch.device, attention_kernel: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why a model on `device` in `dtype` whose packed attention runs `attention_kernel` has no cascade kernel (None: it
+    has one, subject to the self-check): on CPU, ATen's flash kernel; on CUDA, the varlen kernel with its log-sum-exp.
+    Half precision is refused: each part comes back rounded to it before the merge, two roundings where the masked
+    call has one, which moves labels further from the model's own numbers than the masked path does."""
+    if dtype != torch.float32:
+        return f"cascade attention rounds each part to {dtype} before merging them"
     if device.type == "cpu":
         return None if _flash_cpu is not None else f"torch {torch.__version__} has no CPU flash attention kernel"
     if device.type == "cuda":

@@ -237,7 +237,7 @@ def _cascade(checker: _Checker) -> None:
     switches it off. Not tried where suffixes do not run packed (among others, under --batch-invariant)."""
     model, plan = checker.model, checker.plan
     reason = NEEDS_PACKED_SUFFIXES if not plan.packed_suffixes or plan.layout != "packed" else model_refusal(
-        model.device, plan.attention_kernel)
+        model.device, plan.attention_kernel, model.dtype)
     if reason is not None:
         checker.record(PathCheck(CASCADE_PATH, False, None, reason))
         return
