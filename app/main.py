@@ -58,7 +58,7 @@ class Lifecycle:
 
     @property
     def generator(self):
-        """The engine's decode loop (tests and the probes' callers reach it through here)."""
+        """The engine's generator (tests and the probes' callers reach it through here)."""
         return self.engine.generator if self.engine is not None else None
 
     def start_draining(self) -> None:

@@ -1,4 +1,5 @@
-"""Dynamic batcher: bounded admission, one queue, one consumer task, a Future per unit of work; a failing batch is split until the failing unit stands alone."""
+"""Dynamic batcher: bounded admission, one queue, a Future per unit of work; a failing batch is split until the failing
+unit stands alone. Passive: the engine's scheduler says when to collect a batch and run it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from typing import Generic, TypeVar
 
 from app.engine.admission import admit, deadline_error, time_left
 from app.engine.halves import Halves
-from app.engine.loop import ConsumerLoop
-from app.errors import EngineError, ServiceUnavailableError
+from app.errors import EngineError
 
 log = logging.getLogger("genscore.batcher")
 
@@ -52,17 +52,15 @@ class BatchStats:
     compute_s: float
 
 
-class Batcher(ConsumerLoop, Generic[W, R]):
+class Batcher(Generic[W, R]):
     """Coalesce units of work from many callers into calls of `handler(list[W]) -> list[R]`.
 
-    Shaped like Ray Serve's batcher: one consumer task, a Future per unit; a cancelled caller's units are
-    dropped before they reach the handler. Admission is bounded: at most `max_queued_requests` callers wait at
+    Shaped like Ray Serve's batcher: one consumer (the engine's step), a Future per unit; a cancelled caller's units
+    are dropped before they reach the handler. Admission is bounded: at most `max_queued_requests` callers wait at
     once and the next one is refused at once (503 + Retry-After). A batch that raises is retried in halves, so
     only a unit that fails on its own fails its caller (500) and every other caller gets its result. The handler
     runs in `executor` so the event loop (probes, request parsing) stays responsive during a forward pass.
     """
-
-    task_name = "genscore-batcher"
 
     def __init__(
         self,
@@ -91,8 +89,6 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         self._queue: asyncio.Queue[_Pending[W]] = asyncio.Queue()
         self._carry: _Pending[W] | None = None  # a unit that did not fit the last batch goes first next time
         self._expected_callers = 1  # callers in the last batch: how many a new batch waits (up to max wait) to hold
-        self.held_for_room = False  # the first unit in line waits for memory (see _collect's must_fit)
-        self._task: asyncio.Task | None = None
         self._inflight: list[_Pending[W]] = []  # the batch being computed (all of it, while its halves are retried)
         self._admitted = 0  # submit() calls not yet answered
 
@@ -123,8 +119,6 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         `request_deadline`) passes before any of the units has started. Cancelling the caller drops its
         units that have not started.
         """
-        if not self.alive:
-            raise ServiceUnavailableError("the batcher is not running")
         deadline = admit(self._admitted, self._max_queued_requests, self._retry_after_s, "requests", deadline)
         if not works:
             return []
@@ -151,13 +145,11 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                 if not f.done():
                     f.cancel()  # the consumer skips cancelled units; a unit being computed finishes unheard
 
-    # --- the consumer --------------------------------------------------------------
-    async def _next(self, timeout: float | None) -> _Pending[W] | None:
+    # --- the consumer (the engine's step) ----------------------------------------------
+    async def _next(self, timeout: float) -> _Pending[W] | None:
         if self._carry is not None:
             pending, self._carry = self._carry, None
             return pending
-        if timeout is None:
-            return await self._queue.get()
         if not self._queue.empty():
             return self._queue.get_nowait()
         if timeout <= 0:
@@ -168,17 +160,16 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         except TimeoutError:
             return None
 
-    async def _collect(self, block: bool, max_tokens: int, must_fit: bool) -> list[_Pending[W]]:
-        """The first live unit (waiting for one if `block`, else [] when none is queued), then more until size,
-        `max_tokens` (padded tokens) or max wait closes the batch, or nothing more is queued and the batch holds as
-        many callers' units as the last one. The first unit is taken whatever its size, unless
-        `must_fit`: then a first unit over `max_tokens` stays first in line, nothing runs, and `held_for_room`
-        says so until it runs."""
+    async def collect(self, max_tokens: int | None = None, must_fit: bool = False) -> list[_Pending[W]] | None:
+        """The first live unit queued ([] when none is), then more until size, `max_tokens` (padded tokens, at most
+        max_batch_tokens) or max wait closes the batch, or nothing more is queued and the batch holds as many
+        callers' units as the last one. The first unit is taken whatever its size, unless `must_fit`: then a first
+        unit over `max_tokens` stays first in line and None says it waits for room."""
+        max_tokens = min(self._max_batch_tokens, max_tokens or self._max_batch_tokens)
         batch: list[_Pending[W]] = []
         callers: set[int] = set()  # the submit() calls the batch holds units of
         longest = 0
         deadline = None
-        self.held_for_room = False
         while len(batch) < self._max_batch_size:
             if batch:
                 # Wait for more only while the batch holds fewer callers than the last one: that many callers have
@@ -189,7 +180,7 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                     break
                 timeout = max(0.0, deadline - time.perf_counter())
             else:
-                timeout = None if block else 0.0
+                timeout = 0.0
             pending = await self._next(timeout)
             if pending is None:
                 break
@@ -201,7 +192,8 @@ class Batcher(ConsumerLoop, Generic[W, R]):
             new_longest = max(longest, pending.tokens)
             if (batch or must_fit) and new_longest * (len(batch) + 1) > max_tokens:
                 self._carry = pending
-                self.held_for_room = not batch
+                if not batch:
+                    return None
                 break
             pending.ticket.started = True
             batch.append(pending)
@@ -213,22 +205,10 @@ class Batcher(ConsumerLoop, Generic[W, R]):
             self._expected_callers = len(callers)
         return batch
 
-    async def run_once(self, block: bool = False, max_tokens: int | None = None, must_fit: bool = False) -> None:
-        """Collect one batch (under `max_tokens`, default max_batch_tokens) and compute it on the executor."""
-        max_tokens = min(self._max_batch_tokens, max_tokens or self._max_batch_tokens)
-        batch = await self._collect(block, max_tokens, must_fit)
-        # Not in a `finally`: if the loop itself is cancelled, fail_all must still see this batch.
-        self._inflight = batch
-        await self._run(batch)
-        self._inflight = []
-
-    async def _loop(self) -> None:
-        while True:
-            await self.run_once(block=True)
-
-    async def _run(self, batch: list[_Pending[W]]) -> None:
-        """Compute `batch`; when it raises, retry each half, so one bad unit (or an out-of-memory batch) only
-        fails the units that fail on their own."""
+    async def run(self, batch: list[_Pending[W]]) -> None:
+        """Compute `batch` on the executor; when it raises, retry each half, so one bad unit (or an out-of-memory
+        batch) only fails the units that fail on their own."""
+        self._inflight = batch  # fail_all answers these too, should the engine's loop end while they compute
         halves = Halves(batch, _fail_alone, log, "scoring batch", "unit")
         for piece in halves:
             piece = [p for p in piece if not _abandoned(p)]  # callers may have gone while an earlier piece ran
@@ -247,6 +227,7 @@ class Batcher(ConsumerLoop, Generic[W, R]):
                 if not p.future.done():
                     p.future.set_result(result)
             self._report(piece, started)
+        self._inflight = []
 
     def _report(self, batch: list[_Pending[W]], started: float) -> None:
         if self._on_batch is None:
@@ -263,13 +244,8 @@ class Batcher(ConsumerLoop, Generic[W, R]):
         except Exception:  # noqa: BLE001 - a metrics bug must not end the loop that serves everyone
             log.exception("on_batch callback failed")
 
-    def _on_loop_exit(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("batcher loop died", exc_info=task.exception())
-        self.fail_all(ServiceUnavailableError("the batcher stopped"))
-
     def fail_all(self, error: Exception) -> None:
-        """Whatever ended the loop, nobody may wait forever: fail every queued and running caller at once."""
+        """Whatever ended the engine's loop, nobody may wait forever: fail every queued and running caller at once."""
         stranded = self._inflight + ([self._carry] if self._carry else [])
         self._inflight, self._carry = [], None
         while not self._queue.empty():

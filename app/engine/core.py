@@ -1,5 +1,5 @@
-"""The engine core: the one owner of the device. One scheduler loop feeds one device thread with scoring batches and
-generation steps in turn, under one memory budget in bytes; tokenization and input checks run on one tokenizer
+"""The engine core: the one owner of the device. One loop of steps, each asking the scheduler what runs next (a
+scoring batch, a generation step, a trim) and running it on one device thread, under one memory budget in bytes; tokenization and input checks run on one tokenizer
 thread that the API layer renders and tokenizes on. Typed work of token ids in (ScoreQuery, prompt + GenerationParams),
 typed results out (ScoredPrompts, stream events)."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,8 +18,8 @@ from app.engine.budget import MemoryBudget, baseline_bytes
 from app.engine.device import DEVICE_THREAD, device_thread
 from app.engine.generation import Generator
 from app.engine.inputs import InputChecks
-from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PromptLogprobs, ScoredPrompts, ScoreOutcome
+from app.engine.scheduler import GenerationStep, Idle, Scheduler, ScoringBatch, Trim
 from app.engine.scoring import Scorer, common_prefix_len
 from app.engine.token_strings import TokenStrings
 from app.engine.work import GenerationParams, ScoreQuery, ScoreWork
@@ -31,15 +30,13 @@ from models.memory import MemoryModel, default_memory_budget, release_free_memor
 
 log = logging.getLogger("genscore.engine")
 
-_TRIM_INTERVAL_S = 1.0  # giving freed heap back has a cost (docs/users/memory.md); once a second is plenty
+_STOPPED = "the engine loop (scoring batcher and generation) stopped"
 
 
-class Engine(ConsumerLoop):
-    """Owns the loaded model, the device and tokenizer threads, the scoring batcher and the decode loop, and the
-    one loop that schedules them. Scoring and generation never drive the model from two threads: two torch thread
+class Engine:
+    """Owns the loaded model, the device and tokenizer threads, the scoring batcher, the generator, and the one loop
+    of steps that drives them. Scoring and generation never drive the model from two threads: two torch thread
     teams on the same cores would slow both, and the budget could not hold."""
-
-    task_name = "genscore-engine"
 
     def __init__(self, loaded: LoadedModel, settings: Settings, on_batch=None, on_tokens=None,
                  device: ThreadPoolExecutor | None = None):
@@ -71,13 +68,12 @@ class Engine(ConsumerLoop):
             on_work=self._wake.set,
         )
         self.generator = Generator(loaded, settings, device=self.device, on_tokens=on_tokens, on_work=self._wake.set)
-        self.batcher.drive_by(self)
-        self.generator.drive_by(self)
+        self.scheduler = Scheduler(self.batcher, self.generator, self._scoring_allowance,
+                                   budgeted=lambda: self.budget is not None)
+        self._task: asyncio.Task | None = None
         # The memory budget is set once warm (it is measured from what the process then holds); until then only
         # the token limits apply.
         self.budget: MemoryBudget | None = None
-        self._trim_due = False  # work ran since freed memory was last given back to the OS
-        self._trimmed_at = 0.0
 
     @property
     def share_prefixes(self) -> bool:
@@ -124,48 +120,56 @@ class Engine(ConsumerLoop):
             return self.settings.max_batch_tokens
         return self.budget.scoring_tokens(*self.generator.cache_shape, self.settings.max_batch_tokens)
 
+    def start(self) -> None:
+        """Start the loop of steps as one task in the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="genscore-engine")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     async def stop(self) -> None:
-        await super().stop()
+        # A loop that already died was reported by _on_loop_exit; stopping it must not raise its error again.
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         if self._owns_device:
             self.device.shutdown(wait=True)
         self._tokenizer_thread.shutdown(wait=True)
 
-    # --- the scheduler ---------------------------------------------------------------
+    # --- the loop of steps -------------------------------------------------------------
+    async def step(self) -> None:
+        """Ask the scheduler what runs next and run it; with nothing to run, wait for work (or a trim's time)."""
+        self._wake.clear()
+        action = self.scheduler.next()
+        match action:
+            case ScoringBatch(max_tokens=max_tokens, must_fit=must_fit):
+                batch = await self.batcher.collect(max_tokens, must_fit)
+                self.scheduler.scored(held=batch is None)
+                if batch:
+                    # Not in a `finally`: if this task is cancelled, fail_all must still see the batch.
+                    await self.batcher.run(batch)
+            case GenerationStep(admit_new=admit_new):
+                await self.generator.run_step(admit_new)
+            case Trim():
+                # Queued, not awaited: the device thread may be busy (a held or long job), and work that arrives
+                # meanwhile is scheduled at once, to run on the device after the trim.
+                self.device.submit(release_free_memory).add_done_callback(_log_trim_failure)
+            case Idle(timeout_s=timeout_s):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout_s)
+
     async def _loop(self) -> None:
-        """Scoring batches and generation steps in turn: neither waits more than one of the other's steps."""
         while True:
-            self._wake.clear()
-            if not (self.batcher.has_work or self.generator.has_work):
-                if self._trim_due:  # idle after work: hand the pages its peak left free back to the OS
-                    too_soon = self._trimmed_at + _TRIM_INTERVAL_S - time.monotonic()
-                    if too_soon > 0:  # at most one trim a second under a steady stream of short idle gaps
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), too_soon)
-                        continue
-                    self._trim_due = False
-                    # Queued, not awaited: the device thread may be busy (a held or long job), and work that arrives
-                    # meanwhile is scheduled at once, to run on the device after the trim.
-                    self.device.submit(release_free_memory).add_done_callback(_log_trim_failure)
-                    self._trimmed_at = time.monotonic()
-                    continue
-                await self._wake.wait()
-            self._trim_due = True
-            if self.batcher.has_work:
-                # Beside a decode cache, a scoring unit that does not fit waits, and no new rows join until it has
-                # run (the running rows finish and free its room). With no cache the first unit always runs: it
-                # was checked against the whole budget at submit.
-                decoding = self.budget is not None and self.generator.running > 0
-                await self.batcher.run_once(max_tokens=self._scoring_allowance(), must_fit=decoding)
-            self.generator.admitting = not self.batcher.held_for_room
-            if self.generator.has_work:
-                await self.generator.run_once()
+            await self.step()
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("engine loop died", exc_info=task.exception())
-        stopped = "the engine loop (scoring batcher and generation) stopped"
-        self.batcher.fail_all(ServiceUnavailableError(stopped))
-        self.generator.fail_all(ServiceUnavailableError(stopped))
+        self.batcher.fail_all(ServiceUnavailableError(_STOPPED))
+        self.generator.fail_all(ServiceUnavailableError(_STOPPED))
 
     # --- the request path ------------------------------------------------------------
     async def on_tokenizer_thread(self, fn, *args):
@@ -179,6 +183,7 @@ class Engine(ConsumerLoop):
 
         A prompt too big for any scoring batch the memory budget allows is refused (400 naming its field)."""
         prompts, candidates = query.prompts, query.candidates
+        self._check_alive()
         shared = 0
         if self.share_prefixes and (len(prompts) > 1 or candidates):
             shared = common_prefix_len(prompts)
@@ -210,8 +215,13 @@ class Engine(ConsumerLoop):
 
     def generate(self, prompt_ids: list[int], params: GenerationParams
                  ) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
-        """Stream one prompt's events from the decode loop (see Generator.generate)."""
+        """Stream one prompt's events from the generator (see Generator.generate)."""
+        self._check_alive()
         return self.generator.generate(prompt_ids, params)
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise ServiceUnavailableError(_STOPPED)
 
 
 def _log_trim_failure(done: Future) -> None:

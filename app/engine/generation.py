@@ -1,5 +1,6 @@
 """Text generation with continuous batching: a KV cache that sequences join and leave between decode steps; the
-sampler samples and gives every returned logprob. The engine core drives its steps on the device thread."""
+sampler samples and gives every returned logprob. Passive: the engine's scheduler says when to run a step, which
+runs on the device thread."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import torch
 
@@ -17,11 +18,10 @@ from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.decode_admission import Admission, Choice, PromptGroup, RowLimits, plan_admissions
 from app.engine.detokenize import IncrementalDetokenizer
 from app.engine.halves import Halves
-from app.engine.loop import ConsumerLoop
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.sequences import eos_ids, held_back, position_params, score_positions, seeded_generator
 from app.engine.work import GenerationParams
-from app.errors import EngineError, ServiceUnavailableError
+from app.errors import EngineError
 from app.settings import Settings
 from models import LoadedModel
 from models.decoding import DecodeBatch, decode_step, drop_partial_step, merge, prefill, select_rows
@@ -33,12 +33,10 @@ log = logging.getLogger("genscore.generation")
 _DONE = object()  # a prompt's last event: every choice finished
 
 
-class Generator(ConsumerLoop):
-    """Owns the decode loop; `generate()` streams ChoiceUpdates for one prompt."""
+class Generator:
+    """Owns the decode batch; `generate()` streams ChoiceUpdates for one prompt, `run_step()` advances them all."""
 
-    task_name = "genscore-generation"
-
-    def __init__(self, loaded: LoadedModel, settings: Settings, device: ThreadPoolExecutor | None = None,
+    def __init__(self, loaded: LoadedModel, settings: Settings, device: Executor,
                  on_tokens: Callable[[int, int], None] | None = None, on_work: Callable[[], None] | None = None):
         self.loaded = loaded
         self.max_batch_size = settings.max_batch_size
@@ -48,21 +46,16 @@ class Generator(ConsumerLoop):
         # Whether `rows` decoding rows of final length `final` fit the memory budget while a prefill of
         # `prefill_rows` x `prefill_width` runs (the engine core sets it; alone, only max_cache_tokens bounds it).
         self.fits_memory: Callable[[int, int, int, int], bool] = lambda rows, final, prefill_rows, width: True
-        self.admitting = True  # False while a scoring unit waits for the room new rows would take (engine core)
         self.max_queued_requests = settings.max_queued_requests
         self.retry_after_s = settings.retry_after_s
         # the worker decodes text with its own copy: a Rust tokenizer used from two threads can raise "Already borrowed"
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
         self.stop_token_ids = frozenset(eos_ids(loaded))
-        # the app's one device thread (shared with the scoring batcher), or a thread of its own when alone
-        self._owns_device = device is None
-        self._executor = device or ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-generate")
+        self._executor = device  # the app's one device thread, shared with the scoring batcher
         self._waiting: list[PromptGroup] = []
         self._admitting: list[Admission] = []  # admitted for the step in flight
         self._batch: DecodeBatch | None = None  # rows of self._rows, in order
         self._rows: list[Choice] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self.steps = 0  # decode steps run (tests read it to see batching happen)
         # told (prompt tokens prefilled, tokens generated) after each step for callers, warm-up excluded (metrics)
         self._on_tokens = on_tokens
@@ -70,11 +63,6 @@ class Generator(ConsumerLoop):
         self.on_work = on_work  # told when a prompt is queued (the engine core's wake-up)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
-    async def stop(self) -> None:
-        await super().stop()
-        if self._owns_device:
-            self._executor.shutdown(wait=True)
-
     async def warm_up(self) -> None:
         """Two greedy tokens with prompt logprobs: prefill, a decode step and the sampler, before the first caller."""
         ids = self.loaded.tokenizer("warm up", add_special_tokens=True)["input_ids"] or [self.loaded.pad_token_id]
@@ -110,13 +98,10 @@ class Generator(ConsumerLoop):
 
         Leaving the iteration early (or being cancelled) drops the prompt's choices from the batch.
         """
-        if not self.alive:
-            raise ServiceUnavailableError("the generation loop is not running")
         # a bounded wait list (503 beyond it) and the request's deadline while waiting (504)
         deadline = admit(len(self._waiting), self.max_queued_requests, self.retry_after_s, "prompts to generate")
         group = PromptGroup(list(prompt_ids), params, asyncio.Queue(), unfinished=params.n)
         self._waiting.append(group)
-        self._wake.set()
         if self.on_work is not None:
             self.on_work()
         try:
@@ -140,15 +125,16 @@ class Generator(ConsumerLoop):
             if group in self._waiting:
                 self._waiting.remove(group)
 
-    # --- the loop (event loop side) --------------------------------------------------------------------------------
+    # --- a step (event loop side) ---------------------------------------------------------------------------------
     def _final_length(self, group: PromptGroup) -> int:
         """The longest a row of this prompt can grow: prompt + max_tokens, within the model's length."""
         return min(len(group.prompt_ids) + group.params.max_tokens, self.loaded.max_length)
 
-    def _admit(self) -> list[Admission]:
-        """Choices of waiting prompts that join the batch at the next step (app/engine/decode_admission.py)."""
+    def _admit(self, admit_new: bool) -> list[Admission]:
+        """Choices of waiting prompts that join the batch at the next step (app/engine/decode_admission.py); none
+        beside running rows unless `admit_new`."""
         self._waiting = [g for g in self._waiting if not g.cancelled]
-        if not self.admitting and self._rows:
+        if not admit_new and self._rows:
             return []
         limits = RowLimits(self.max_batch_size, self.max_rows_per_request, self.max_batch_tokens,
                            self.max_cache_tokens, self.fits_memory)
@@ -156,10 +142,10 @@ class Generator(ConsumerLoop):
         self._waiting = [g for g in self._waiting if g.started < g.params.n]
         return admitted
 
-    async def run_once(self) -> None:
+    async def run_step(self, admit_new: bool = True) -> None:
         """Admit what fits, then one step on the executor: prefill of the admitted prompts + one decode step."""
-        admitted = self._admit()
-        self._admitting = admitted  # not yet in _rows: if the loop dies now, these callers must hear it too
+        admitted = self._admit(admit_new)
+        self._admitting = admitted  # not yet in _rows: if the engine's loop dies now, these callers must hear it too
         try:
             events = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, admitted)
         except Exception:  # noqa: BLE001 - every caller in the batch must hear about it
@@ -175,20 +161,8 @@ class Generator(ConsumerLoop):
             generated = sum(len(e.token_ids) for _, e in events if isinstance(e, ChoiceUpdate))
             self._on_tokens(sum(len(a.group.prompt_ids) for a in admitted), generated)
 
-    async def _loop(self) -> None:
-        while True:
-            if not self.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-            await self.run_once()
-
-    def _on_loop_exit(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("generation loop died", exc_info=task.exception())
-        self.fail_all(ServiceUnavailableError("the generation loop stopped"))
-
     def fail_all(self, error: Exception) -> None:
-        """Whatever ended the loop, nobody may wait forever: every waiting and running prompt gets `error`."""
+        """Whatever ended the engine's loop, nobody may wait forever: every waiting and running prompt gets `error`."""
         for group in {c.group for c in self._rows} | set(self._waiting) | {a.group for a in self._admitting}:
             group.queue.put_nowait(error)
         self._rows, self._batch, self._waiting, self._admitting = [], None, [], []

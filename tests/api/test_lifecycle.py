@@ -1,4 +1,4 @@
-"""Probes over the app's life: loading, warming up, ready, a failed load, a dead batcher loop."""
+"""Probes over the app's life: loading, warming up, ready, a failed load, a dead engine loop."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fault injection over real HTTP: a batch that fails, a request that fails on its own, out-of-memory batches, a dead
-batcher loop, and a model that is missing or broken at start-up."""
+engine loop, and a model that is missing or broken at start-up."""
 
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ def test_dead_batcher_loop_fails_every_waiting_caller_at_once_and_health(tiny_lo
                 await async_wait_until(lambda: batcher.waiting == 3, what="three queued requests")
 
                 async def bug(*_):
-                    raise RuntimeError("injected bug in the batcher loop")
+                    raise RuntimeError("injected bug in the engine loop")
 
-                batcher._collect = bug  # the loop calls this next, once the running batch is done: it dies there
+                batcher.collect = bug  # the engine's next step calls this, once the running batch is done: it dies there
                 probe.gate.set()
                 return await running, await asyncio.gather(*queued)
 
@@ -129,7 +129,7 @@ def test_dead_batcher_loop_fails_every_waiting_caller_at_once_and_health(tiny_lo
         assert running.status_code == 200  # the batch that was already computing is answered
         for response in queued:
             assert response.status_code == 503 and "batcher" in response.json()["error"]["message"]
-        assert not batcher.alive
+        assert not app.state.lifecycle.engine.alive
         health = httpx.get(f"{base_url}/health")
         assert health.status_code == 503 and "batcher" in health.json()["error"]["message"]
         assert httpx.post(f"{base_url}/score", json=score_body(GOOD[0]), timeout=10).status_code == 503

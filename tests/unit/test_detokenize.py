@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -151,7 +152,8 @@ def loop_stream(generator: Generator, ids: list[int], stop: tuple[str, ...], max
 
 @pytest.fixture(scope="module")
 def generator(tiny_loaded):
-    return Generator(tiny_loaded, Settings(model="unused", device="cpu"))
+    with ThreadPoolExecutor(1) as device:
+        yield Generator(tiny_loaded, Settings(model="unused", device="cpu"), device)
 
 
 def test_the_loop_streams_what_whole_decoding_streamed(generator, byte_level):

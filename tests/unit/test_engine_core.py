@@ -86,7 +86,11 @@ async def test_a_dead_engine_loop_fails_scoring_and_generation_callers(tiny_load
             for task in (waiting, score):
                 with pytest.raises(ServiceUnavailableError, match="engine loop"):
                     await asyncio.wait_for(task, 30)
-            assert not engine.alive and not engine.batcher.alive and not engine.generator.alive
+            assert not engine.alive
+            with pytest.raises(ServiceUnavailableError, match="engine loop"):  # and new callers are refused
+                await engine.score(ScoreQuery([[8, 9]], SamplingParams(label_token_ids=(5,))))
+            with pytest.raises(ServiceUnavailableError, match="engine loop"):
+                await generate()
         finally:
             gate.release()
             gate.remove()

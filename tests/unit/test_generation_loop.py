@@ -1,5 +1,6 @@
-"""The generation loop on its own (no HTTP), on the tiny Llama model: admission under max_batch_size, a caller that
-leaves, a wait list that is full, and a loop that dies with callers waiting. Steps are ordered by gates, not time."""
+"""Generation through the engine alone (no HTTP, no scoring), on the tiny Llama model: admission under
+max_batch_size, a caller that leaves, a wait list that is full, and a loop that dies with callers waiting. Steps are
+ordered by gates, not time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 
 import pytest
 
-from app.engine.generation import Generator
+from app.engine.core import Engine
 from app.engine.results import ChoiceUpdate
 from app.engine.work import GenerationParams
 from app.errors import OverloadedError, ServiceUnavailableError
@@ -23,9 +24,9 @@ def settings(**overrides) -> Settings:
     return Settings(model="unused", device="cpu", dtype="float32", **overrides)
 
 
-async def collect(generator: Generator, prompt: list[int], max_tokens: int) -> list[int]:
+async def collect(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
     tokens = []
-    async for update in generator.generate(prompt, GenerationParams(max_tokens=max_tokens, sampling=GREEDY)):
+    async for update in engine.generate(prompt, GenerationParams(max_tokens=max_tokens, sampling=GREEDY)):
         if isinstance(update, ChoiceUpdate):
             tokens += update.token_ids
     return tokens
@@ -33,26 +34,26 @@ async def collect(generator: Generator, prompt: list[int], max_tokens: int) -> l
 
 @contextlib.asynccontextmanager
 async def started(loaded, **overrides):
-    """A generation loop started in the test's own event loop, its step behind a gate: (generator, gate)."""
-    generator = Generator(loaded, settings(**overrides))
-    generator.start()
-    gate = StepGate(generator)
+    """An engine started in the test's own event loop, its generation step behind a gate: (engine, gate)."""
+    engine = Engine(loaded, settings(**overrides))
+    engine.start()
+    gate = StepGate(engine.generator)
     try:
-        yield generator, gate
+        yield engine, gate
     finally:
         gate.remove()
-        await generator.stop()
+        await engine.stop()
 
 
 async def test_admission_holds_prompts_beyond_max_batch_size(tiny_loaded):
-    async with started(tiny_loaded, max_batch_size=2) as (generator, gate):
-        alone = [await collect(generator, [5 + i, 6, 7], 3) for i in range(3)]
+    async with started(tiny_loaded, max_batch_size=2) as (engine, gate):
+        alone = [await collect(engine, [5 + i, 6, 7], 3) for i in range(3)]
         gate.steps.clear()
         gate.hold()
-        first = asyncio.create_task(collect(generator, [5, 6, 7], 3))
+        first = asyncio.create_task(collect(engine, [5, 6, 7], 3))
         await async_wait_until(gate.entered.is_set, what="the first step")
-        rest = [asyncio.create_task(collect(generator, [5 + i, 6, 7], 3)) for i in (1, 2)]
-        await async_wait_until(lambda: generator.waiting == 2, what="two prompts to wait")
+        rest = [asyncio.create_task(collect(engine, [5 + i, 6, 7], 3)) for i in (1, 2)]
+        await async_wait_until(lambda: engine.generator.waiting == 2, what="two prompts to wait")
         gate.release()
         assert [await first, *[await t for t in rest]] == alone  # each as it would be alone
         # one row decoding, room for one more: the second joins it, the third waits for a free row
@@ -62,47 +63,47 @@ async def test_admission_holds_prompts_beyond_max_batch_size(tiny_loaded):
 
 
 async def test_a_caller_that_leaves_has_its_row_dropped(tiny_loaded):
-    async with started(tiny_loaded, max_batch_size=2) as (generator, gate):
-        leaving = generator.generate([5, 6, 7], GenerationParams(max_tokens=50, sampling=GREEDY))
+    async with started(tiny_loaded, max_batch_size=2) as (engine, gate):
+        leaving = engine.generate([5, 6, 7], GenerationParams(max_tokens=50, sampling=GREEDY))
         async for _ in leaving:
             break  # the first update is enough: leave while the row decodes
-        assert generator.running == 1
+        assert engine.generator.running == 1
         await leaving.aclose()
         steps_before = len(gate.steps)
-        await collect(generator, [8, 9], 2)  # the next steps run without the leaver's row
+        await collect(engine, [8, 9], 2)  # the next steps run without the leaver's row
         assert all(step.running <= 1 for step in gate.steps[steps_before:]), gate.steps
-        assert generator.running == 0
+        assert engine.generator.running == 0
 
 
 async def test_a_full_wait_list_is_refused_at_once(tiny_loaded):
-    async with started(tiny_loaded, max_batch_size=1, max_queued_requests=1) as (generator, gate):
+    async with started(tiny_loaded, max_batch_size=1, max_queued_requests=1) as (engine, gate):
         gate.hold()
-        running = asyncio.create_task(collect(generator, [5, 6], 2))
+        running = asyncio.create_task(collect(engine, [5, 6], 2))
         await async_wait_until(gate.entered.is_set, what="the first step")
-        waiting = asyncio.create_task(collect(generator, [7, 8], 2))
-        await async_wait_until(lambda: generator.waiting == 1, what="one prompt to wait")
+        waiting = asyncio.create_task(collect(engine, [7, 8], 2))
+        await async_wait_until(lambda: engine.generator.waiting == 1, what="one prompt to wait")
         with pytest.raises(OverloadedError):
-            await collect(generator, [9], 2)
+            await collect(engine, [9], 2)
         gate.release()
         assert len(await running) == 2 and len(await waiting) == 2
 
 
 async def test_a_dead_loop_answers_every_waiting_caller_and_refuses_new_ones(tiny_loaded):
-    async with started(tiny_loaded, max_batch_size=1) as (generator, gate):
+    async with started(tiny_loaded, max_batch_size=1) as (engine, gate):
         gate.hold()
-        running = asyncio.create_task(collect(generator, [5, 6], 5))
+        running = asyncio.create_task(collect(engine, [5, 6], 5))
         await async_wait_until(gate.entered.is_set, what="the first step")
-        waiting = asyncio.create_task(collect(generator, [7, 8], 5))
-        await async_wait_until(lambda: generator.waiting == 1, what="one prompt to wait")
+        waiting = asyncio.create_task(collect(engine, [7, 8], 5))
+        await async_wait_until(lambda: engine.generator.waiting == 1, what="one prompt to wait")
 
         def broken_admission():
             raise RuntimeError("injected: the loop itself fails")
 
-        generator._admit = broken_admission  # the next turn of the loop raises outside any step
+        engine.generator._admit = broken_admission  # the next turn of the loop raises outside any step
         gate.release()
         for task in (running, waiting):
             with pytest.raises(ServiceUnavailableError):
                 await task
-        assert not generator.alive
+        assert not engine.alive
         with pytest.raises(ServiceUnavailableError):
-            await collect(generator, [9], 1)
+            await collect(engine, [9], 1)

@@ -14,7 +14,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    """Liveness: the process answers and the batcher loop has not died. Cheap: no model call."""
+    """Liveness: the process answers and the engine loop has not died. Cheap: no model call."""
     state = request.app.state.lifecycle
     failure = state.failure()
     if failure is not None:
