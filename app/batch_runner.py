@@ -22,7 +22,7 @@ from models import LoadedModel
 
 log = logging.getLogger("genscore.batch")
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/score", "/v1/rerank")
+URLS = ("/v1/completions", "/v1/chat/completions", "/score", "/v1/rerank", "/v1/judge/pairwise")
 FLUSH_EVERY_S = 1.0
 LOG_EVERY_S = 10.0
 

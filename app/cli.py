@@ -113,7 +113,7 @@ def _batch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="genscore run-batch", add_help=False,
         description="Answer an OpenAI Batch JSONL file (urls /v1/completions, /v1/chat/completions, /score, "
-                    "/v1/rerank) with the server's own routes in-process. Every `genscore serve` flag applies too.")
+                    "/v1/rerank, /v1/judge/pairwise) with the server's own routes in-process. Every `genscore serve` flag applies too.")
     parser.add_argument("-i", "--input", type=Path, required=True, help="input JSONL, one request per line")
     parser.add_argument("-o", "--output", type=Path, required=True,
                         help="output JSONL, one answer per input line of the shard, in input order")

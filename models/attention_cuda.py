@@ -50,6 +50,23 @@ def _refuse(reason: str) -> None:
         log.warning("varlen attention refuses a call (%s): it runs the per-segment loop", reason)
 
 
+def _match_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_value_groups: int,
+                       params: frozenset, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention for varlen_attn: where the key/value heads are fewer than the query heads, either ask
+    the kernel to share them (enable_gqa, set in `extra`) or, where this torch's varlen_attn cannot, repeat them.
+
+    q [Tq, H, D]; k, v [Tk, H_kv, D] with H = H_kv * key_value_groups. Returns k, v as [Tk, H_kv, D] when the kernel
+    shares the heads (or there is nothing to share), else [Tk, H, D].
+    """
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+        return k, v
+    # each key/value head serves key_value_groups query heads in a row, as transformers' repeat_kv
+    return k.repeat_interleave(key_value_groups, dim=1), v.repeat_interleave(key_value_groups, dim=1)
+
+
 def segment_attention_fast(
     kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor, max_length: int, key_value_groups: int, scaling: float | None, window: int | None,
@@ -79,12 +96,7 @@ def segment_attention_fast(
         return None
     else:
         extra["is_causal"] = True
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:  # each key/value head serves key_value_groups query heads in a row, as transformers' repeat_kv
-            k = k.repeat_interleave(key_value_groups, dim=1)
-            v = v.repeat_interleave(key_value_groups, dim=1)
+    k, v = _match_query_heads(q, k, v, key_value_groups, params, extra)
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **extra)  # [T, H, D]
     return out[None]  # [1, T, H, D]
 
@@ -121,12 +133,7 @@ def spanned_attention_fast(row, query: torch.Tensor, key: torch.Tensor, value: t
     k = key[0].transpose(0, 1).index_select(0, row.key_index)  # [sum of span + length, H_kv, D]
     v = value[0].transpose(0, 1).index_select(0, row.key_index)
     extra: dict = {"scale": scaling, "window_size": (-1, 0)}  # causal, aligned to each segment's last key
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(key_value_groups, dim=1)
-            v = v.repeat_interleave(key_value_groups, dim=1)
+    k, v = _match_query_heads(q, k, v, key_value_groups, params, extra)
     out = varlen_attn(q, k, v, row.cu_seqlens, row.cu_seqlens_k, row.max_length, row.max_key_length, **extra)
     return out[None]  # [1, T, H, D]
 
@@ -175,12 +182,7 @@ def cascade_attention_cuda(row, runs, query: torch.Tensor, key: torch.Tensor, va
     k = key[0].transpose(0, 1)  # [past + T, H_kv, D]
     v = value[0].transpose(0, 1)
     extra: dict = {"scale": scaling, "return_aux": AuxRequest(lse=True)}
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:  # each key/value head serves key_value_groups query heads in a row, as transformers' repeat_kv
-            k = k.repeat_interleave(key_value_groups, dim=1)
-            v = v.repeat_interleave(key_value_groups, dim=1)
+    k, v = _match_query_heads(q, k, v, key_value_groups, params, extra)
 
     def call(q_part, k_part, v_part, cu_q, cu_k, max_q, max_k, causal):
         if "window_size" in params:

@@ -111,6 +111,21 @@ async def test_every_line_is_answered_as_the_route_answers(tmp_path, settings, t
     assert next(a for a in answers if a["custom_id"] == "bad-body")["response"]["status_code"] == 400
 
 
+async def test_a_pairwise_judge_line_is_answered_as_the_route_answers(tmp_path, settings, tiny_loaded):
+    body = {"template": "Q: {question}\nA: {answer_a}\nB: {answer_b}\nBetter:", "question": "Sky color?",
+            "answers": ["Blue.", "Green."], "labels": {"A": [" A"], "B": [" B"]}}
+    row = {"custom_id": "judge", "method": "POST", "url": "/v1/judge/pairwise", "body": body}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    await run_batch(settings, BatchOptions(tmp_path / "in.jsonl", tmp_path / "out.jsonl"), loaded=tiny_loaded)
+    (answer,) = _read(tmp_path / "out.jsonl")
+    assert answer["error"] is None, answer["error"]
+    assert answer["response"]["status_code"] == 200 and answer["response"]["body"]["object"] == "judge.pairwise"
+    with TestClient(create_app(settings, loaded=tiny_loaded)) as client:
+        wait_ready(client)
+        direct = client.post(row["url"], json=body).json()
+    _assert_close(_without_volatile(answer["response"]["body"]), _without_volatile(direct))
+
+
 async def test_a_torn_output_resumes_without_loss_or_duplicates(tmp_path, settings, tiny_loaded):
     _write_input(tmp_path / "in.jsonl")
     whole = tmp_path / "whole.jsonl"
