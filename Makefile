@@ -44,6 +44,7 @@ test-image: install
 	$(BIN)/python -m pytest -m image -rP tests/ops/test_image.py $(ARGS)
 
 # The side-by-side benchmark (docs/contributors/benchmarking.md), written to docs/benchmark/; BENCH_ARGS="--scoring-requests 32" etc.
+# BENCH_ARGS="--before REF" also runs genscore at commit REF in the same run (after ÷ before in the report).
 # It includes llama-server and vLLM CPU when `make bench-peers` has installed them.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=

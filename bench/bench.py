@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import before as before_code
 from bench import generation_cell, report
 from bench.loop import closed_loop
 from bench.peak import gemm_gflops
@@ -84,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generation-requests", type=int, default=8, help="requests per pass, generation cell")
     p.add_argument("--generation-temperature", type=float, default=1.0,
                    help="sampling temperature of the generation cell (0: greedy); each request has its own seed")
+    p.add_argument("--before", default=None, metavar="REF",
+                   help="also run genscore at this older commit (checked out under .cache/bench/before-SHORTSHA), "
+                        "its systems named '... (before SHORTSHA)', with after ÷ before ratios in the report")
     return p.parse_args(argv)
 
 
@@ -113,13 +117,23 @@ def machine_facts() -> dict:
     }
 
 
-def run_worker(kind: str, spec: dict, tmp: Path) -> dict:
-    spec_path, out_path = tmp / f"{kind}-spec.json", tmp / f"{kind}-out.json"
+def run_worker(kind: str, spec: dict, tmp: Path, before: before_code.BeforeTree | None = None) -> dict:
+    """`python -m bench.workers kind`; with `before`, that worktree's bench.workers and the code it imports."""
+    tag = f"-before-{before.short}" if before else ""
+    spec_path, out_path = tmp / f"{kind}{tag}-spec.json", tmp / f"{kind}{tag}-out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    subprocess.run([sys.executable, "-m", "bench.workers", kind, str(spec_path), str(out_path)], check=True,
-                   cwd=REPO, env=env)
+    args = ("bench.workers", kind, str(spec_path), str(out_path))
+    if before is None:
+        subprocess.run([sys.executable, "-m", *args], check=True, cwd=REPO, env=env)
+    else:
+        subprocess.run(before.command(*args), check=True, cwd=before.path, env=before.env(env))
     return json.loads(out_path.read_text())
+
+
+def code_trees(before: before_code.BeforeTree | None) -> list[tuple[before_code.BeforeTree | None, str]]:
+    """Today's genscore (no suffix), then the --before one: each with the suffix of its systems' names."""
+    return [(None, "")] + ([(before, before.suffix)] if before else [])
 
 
 def worker_workloads(workloads: dict) -> dict:
@@ -212,8 +226,10 @@ def run_vllm(args, python: str, model_dir: Path, dtype: str, workloads: dict, le
             "peak_rss_mb": max(s["peak_rss_mb"] for s in servers), "pss_mb": max(s["pss_mb"] for s in servers)}
 
 
-def run_generation(args, tokenizer, dtypes: list[str], systems: set[str]) -> dict:
-    """The generation cell through genscore over HTTP and vLLM CPU (when installed), float32 and bfloat16 as asked."""
+def run_generation(args, tokenizer, dtypes: list[str], systems: set[str],
+                   before: before_code.BeforeTree | None = None) -> dict:
+    """The generation cell through genscore over HTTP (and its --before code) and vLLM CPU (when installed),
+    float32 and bfloat16 as asked."""
     cell = generation_cell.GenerationCell.parse(args.generation, args.generation_requests,
                                                 args.generation_temperature, args.seed)
     prompts = generation_cell.generation_prompts(tokenizer, cell.requests, seed=args.seed + 7)
@@ -223,16 +239,24 @@ def run_generation(args, tokenizer, dtypes: list[str], systems: set[str]) -> dic
     model_dir = model_dir_for_peers(args.model, args.cache_dir)
     for dtype in dtypes:
         short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
-        if "genscore" in systems:
-            log(f"genscore over HTTP ({dtype}), generation")
-            server = start_genscore(args.model, dtype, args.cache_dir,
-                                    args.cache_dir.parent / f"genscore-{dtype}-generation.log")
+        for tree, suffix in code_trees(before) if "genscore" in systems else ():
+            name = f"genscore HTTP {short}{suffix}"
+            log(f"{name}, generation")
+            tag = f"-before-{tree.short}" if tree else ""
             try:
-                out["systems"][f"genscore HTTP {short}"] = asyncio.run(generation_cell.run_cell(
+                server = start_genscore(args.model, dtype, args.cache_dir,
+                                        args.cache_dir.parent / f"genscore-{dtype}{tag}-generation.log", before=tree)
+            except RuntimeError as exc:
+                if tree is None:
+                    raise
+                log(f"  {name} did not start, no before numbers for it: {exc}")
+                continue
+            try:
+                out["systems"][name] = asyncio.run(generation_cell.run_cell(
                     server.base_url, cell, prompts, min(args.warmup, 1), args.repeats))
             finally:
                 server.stop()
-            log(f"  {out['systems'][f'genscore HTTP {short}']['tokens_per_s']:.1f} tokens/s")
+            log(f"  {out['systems'][name]['tokens_per_s']:.1f} tokens/s")
         if "vllm" in systems and (vllm_python is None or model_dir is None):
             log("vLLM not installed (run `make bench-peers`) or no HF directory of the model; no vLLM generation")
         elif "vllm" in systems:
@@ -249,10 +273,13 @@ def run_generation(args, tokenizer, dtypes: list[str], systems: set[str]) -> dic
         ours, theirs = out["systems"].get(f"genscore HTTP {short}"), out["systems"].get(f"vLLM CPU {short}")
         if ours and theirs:
             out["ratios"][f"HTTP {short}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        old = out["systems"].get(f"genscore HTTP {short}{before.suffix}") if before else None
+        if ours and old:
+            out.setdefault("before_ratios", {})[f"HTTP {short}"] = ours["tokens_per_s"] / old["tokens_per_s"]
     return out
 
 
-def only_generation(args, dtypes: list[str], systems: set[str]) -> int:
+def only_generation(args, dtypes: list[str], systems: set[str], before) -> int:
     """`--only generation`: the generation cell alone, written beside the full report (never over it)."""
     from transformers import AutoTokenizer
 
@@ -263,8 +290,8 @@ def only_generation(args, dtypes: list[str], systems: set[str]) -> int:
     if "bfloat16" in dtypes and native_bfloat16_missing() is not None:
         dtypes.remove("bfloat16")
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_facts(),
-               "loadavg_start": os.getloadavg()}
-    results["generation"] = run_generation(args, tokenizer, dtypes, systems)
+               "loadavg_start": os.getloadavg(), "commits": commits(before)}
+    results["generation"] = run_generation(args, tokenizer, dtypes, systems, before)
     results["loadavg_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generation.json").write_text(json.dumps(results))
@@ -276,14 +303,33 @@ def only_generation(args, dtypes: list[str], systems: set[str]) -> int:
     return 0
 
 
+def prepare_before(ref: str | None) -> before_code.BeforeTree | None:
+    """The --before worktree, checked once up front: a process started from it must import its code."""
+    if ref is None:
+        return None
+    tree = before_code.prepare(ref, REPO)
+    log(f"--before {ref}: {tree.commit} in {tree.path}; {tree.verify()}")
+    return tree
+
+
+def commits(before: before_code.BeforeTree | None) -> dict:
+    """Which code was measured: this tree's commit (dirty: with uncommitted changes), and the --before one."""
+    out = {"after": before_code.commit_facts(REPO)}
+    if before is not None:
+        out["before"] = {"commit": before.commit, "short": before.short, "path": str(before.path)}
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.cache_dir, args.out = args.cache_dir.resolve(), args.out.resolve()  # the --before code runs elsewhere
+    before = prepare_before(args.before)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     items_concurrency = [int(c) for c in args.items_concurrency.split(",")] if args.items_concurrency else concurrency
     systems = set(args.systems.split(","))
     dtypes = args.dtypes.split(",")
     if args.only == "generation":
-        return only_generation(args, dtypes, systems)
+        return only_generation(args, dtypes, systems, before)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -291,14 +337,16 @@ def main(argv=None) -> int:
     levels = {n: items_concurrency if shares_query(n) else concurrency for n in names}
     started = time.perf_counter()
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_facts(),
-                     "loadavg_start": os.getloadavg(), "systems": {}}
+                     "loadavg_start": os.getloadavg(), "systems": {}, "commits": commits(before)}
     log("measuring the matmul peak")
     if "bfloat16" in dtypes and (missing := native_bfloat16_missing()) is not None:
         # emulated bfloat16 runs several times slower than float32: its cells would measure the emulation
         dtypes.remove("bfloat16")
         results["skipped_bfloat16"] = missing
         log(f"skipping the bfloat16 cells: {missing}")
-    peaks = ("float32", "bfloat16") if "skipped_bfloat16" not in results else ("float32",)
+    # float32 always (the reference's dtype); bfloat16 only for cells that run in it: on a CPU without native
+    # bfloat16 the emulated GEMM alone takes minutes
+    peaks = ("float32", "bfloat16") if "bfloat16" in dtypes else ("float32",)
     results["gemm_gflops"] = {dtype: gemm_gflops(dtype) for dtype in peaks}
     log(f"GEMM GFLOP/s: {results['gemm_gflops']}")
 
@@ -348,27 +396,42 @@ def main(argv=None) -> int:
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
             genscore_settings["batch_invariant"] = invariant
             genscore_settings["compile"] = compiled
-            if "inprocess" in systems and not invariant:  # the in-process engine is measured the default way
-                log(f"genscore Engine in-process ({dtype}{flags})")
-                out = run_worker("engine", dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings),
-                                 tmp)
-                results["systems"][f"genscore in-process {short}"] = dict(out, dtype=dtype)
-            if "genscore" in systems:
-                log(f"genscore over HTTP ({dtype}{flags})" + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
-                extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
-                extra += ("--compile",) if compiled else ()
-                log_path = args.cache_dir.parent / f"genscore-{dtype}{tag.replace(' ', '-')}.log"
-                server = start_genscore(args.model, dtype, args.cache_dir, log_path, batch_invariant=invariant,
-                                        extra_args=extra)
-                try:
-                    runs = asyncio.run(drive(lambda c, _n, url=server.base_url: GenscoreClient(url, c), workloads,
-                                             levels, args.warmup, args.repeats))
-                    results["systems"][f"genscore HTTP {short}"] = {
-                        "dtype": dtype, "runs": runs, "peak_rss_mb": server.peak_rss_mb(), "ready_s": server.ready_s,
-                        "pss_mb": server.memory()["pss_mb"], "load_s": genscore_load_seconds(server.log_path),
-                        "settings": genscore_settings}
-                finally:
-                    server.stop()
+            for tree, suffix in code_trees(before):
+                if "inprocess" in systems and not invariant:  # the in-process engine is measured the default way
+                    log(f"genscore Engine in-process ({dtype}{flags}){suffix}")
+                    spec = dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings)
+                    try:
+                        out = run_worker("engine", spec, tmp, before=tree)
+                        results["systems"][f"genscore in-process {short}{suffix}"] = dict(out, dtype=dtype)
+                    except subprocess.CalledProcessError as exc:
+                        if tree is None:
+                            raise
+                        # the old bench.workers may read another spec: the before code is then measured over HTTP
+                        log(f"  the before in-process worker failed ({exc}); before code over HTTP only")
+                if "genscore" in systems:
+                    log(f"genscore over HTTP ({dtype}{flags}){suffix}"
+                        + (f", prefix cache {cache_mb} MiB" if cache_mb else ""))
+                    extra = ("--prefix-cache-mb", str(cache_mb)) if cache_mb is not None else ()
+                    extra += ("--compile",) if compiled else ()
+                    log_tag = tag.replace(" ", "-") + (f"-before-{tree.short}" if tree else "")
+                    log_path = args.cache_dir.parent / f"genscore-{dtype}{log_tag}.log"
+                    try:
+                        server = start_genscore(args.model, dtype, args.cache_dir, log_path,
+                                                batch_invariant=invariant, extra_args=extra, before=tree)
+                    except RuntimeError as exc:
+                        if tree is None:
+                            raise
+                        log(f"  the before server did not start (an option it lacks?): {exc}")
+                        continue
+                    try:
+                        runs = asyncio.run(drive(lambda c, _n, url=server.base_url: GenscoreClient(url, c),
+                                                 workloads, levels, args.warmup, args.repeats))
+                        results["systems"][f"genscore HTTP {short}{suffix}"] = {
+                            "dtype": dtype, "runs": runs, "peak_rss_mb": server.peak_rss_mb(),
+                            "ready_s": server.ready_s, "pss_mb": server.memory()["pss_mb"],
+                            "load_s": genscore_load_seconds(server.log_path), "settings": genscore_settings}
+                    finally:
+                        server.stop()
 
         binary = find_llama_server(args.llama_server, REPO)
         if "llama" in systems and binary is None:
@@ -399,7 +462,7 @@ def main(argv=None) -> int:
                                                                    levels)
 
     if args.generation:
-        results["generation"] = run_generation(args, tokenizer, dtypes, systems)
+        results["generation"] = run_generation(args, tokenizer, dtypes, systems, before)
 
     # Measured again at the end; the higher of the two is the peak (other load only ever lowers it).
     for dtype, first in list(results["gemm_gflops"].items()):

@@ -100,4 +100,7 @@ def markdown(generation: dict) -> list[str]:
     ratios = generation.get("ratios", {})
     if ratios:
         lines += [""] + [f"- genscore {k} / vLLM CPU: {v:.2f}x tokens/s" for k, v in ratios.items()]
+    before = generation.get("before_ratios", {})
+    if before:
+        lines += [""] + [f"- genscore {k} after ÷ before (`--before`): {v:.2f}x tokens/s" for k, v in before.items()]
     return lines + [""]

