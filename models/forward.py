@@ -146,9 +146,22 @@ def forward_logits(
     pad_token_id: int,
     keep_last: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Logits for the last `keep_last[i]` positions of each sequence (default 1), stacked row after row.
+    """float32 logits [N, V] of the positions forward_hidden keeps, in its order. lm_head runs once, on the N kept
+    hidden states only: at V = 49k it would otherwise dominate the cost."""
+    return head_logits(plan, forward_hidden(model, plan, sequences, pad_token_id, keep_last))
 
-    Returns float32 [N, V] with N = sum(keep_last); row order is sequence 0's kept
+
+@torch.inference_mode()
+def forward_hidden(
+    model: PreTrainedModel,
+    plan: ForwardPlan,
+    sequences: Sequence[Sequence[int]],
+    pad_token_id: int,
+    keep_last: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Final hidden states of the last `keep_last[i]` positions of each sequence (default 1), stacked row after row.
+
+    Returns [N, H] with N = sum(keep_last); row order is sequence 0's kept
     positions oldest first, then sequence 1's, and so on. Sequences are packed back to back
     into rows of about pack_tokens(model) tokens, attention kept inside each sequence (models/packed.py),
     so no compute goes to padding; a model that cannot pack runs padded micro-batches of
@@ -156,23 +169,21 @@ def forward_logits(
     sequence alone through its own forward (plan.layout says which). Each row's numbers do not depend on its
     neighbours beyond float rounding; on a batch-invariant plan (models/invariant.py) not at all: a packed
     prompt sees the same kernels as alone, and a model that cannot pack runs each sequence alone, since a
-    padded layout changes the order attention sums in. lm_head runs once, on the N kept hidden states only:
-    at V = 49k it would otherwise dominate the cost.
+    padded layout changes the order attention sums in.
     """
     keep = [1] * len(sequences) if keep_last is None else list(keep_last)
     if plan.layout == "packed":
         packs = plan_packs([len(seq) for seq in sequences], pack_tokens(model))
         # Packs keep the caller's order, so their kept rows concatenate straight into the result's order.
-        picked = torch.cat([
+        return torch.cat([
             _packed_hidden(model, plan, [sequences[i] for i in group], [keep[i] for i in group]) for group in packs
         ])  # [N, H]
-        return head_logits(plan, picked)
     if plan.layout == "one_at_a_time" or plan.batch_invariant:
         groups = [[i] for i in range(len(sequences))]
     else:
         groups = plan_micro_batches([len(seq) for seq in sequences])
     if len(groups) == 1:
-        return head_logits(plan, _picked_hidden(model, plan, sequences, pad_token_id, keep))
+        return _picked_hidden(model, plan, sequences, pad_token_id, keep)
     parts = [
         _picked_hidden(model, plan, [sequences[i] for i in group], pad_token_id, [keep[i] for i in group])
         for group in groups
@@ -186,4 +197,4 @@ def forward_logits(
         starts[i] = offset
         offset += keep[i]
     restore = torch.cat([torch.arange(starts[i], starts[i] + keep[i]) for i in range(len(sequences))])
-    return head_logits(plan, picked[to_device(restore, picked.device)])
+    return picked[to_device(restore, picked.device)]

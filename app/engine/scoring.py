@@ -12,7 +12,7 @@ import sampler
 from app.engine.budget import LOGIT_ROWS_PER_CHUNK
 from app.engine.results import ScoreOutcome
 from app.engine.work import ScoreWork
-from models import LoadedModel, forward_logits
+from models import LoadedModel, forward_hidden
 from models.head import head_logits
 from models.prefix import PrefixState, SuffixRow, forward_suffixes, prefill_with_suffixes
 from models.prefix_cache import PrefixCache
@@ -76,7 +76,8 @@ class Scorer:
         label_logits: dict[int, torch.Tensor] = {}  # work -> [V]
         candidate_values: dict[int, list[list[float]]] = {i: [] for i, w in enumerate(works) if w.candidates}
         for chunk in self._chunks(list(enumerate(rows))):
-            logits = self._kept_logits(chunk, states, prefilled)  # [sum of keep, V], row after row
+            # one output-head call per chunk, on every row's kept hidden states
+            logits = head_logits(self.loaded.plan, self._kept_hidden(chunk, states, prefilled))  # [sum of keep, V]
             chunk = [row for _, row in chunk]
             positions, params, targets = [], [], []  # the candidate positions of this chunk
             offset = 0
@@ -164,9 +165,9 @@ class Scorer:
         if chunk:
             yield chunk
 
-    def _kept_logits(self, chunk: list[tuple[int, _Row]], states: dict[tuple[int, ...], PrefixState],
+    def _kept_hidden(self, chunk: list[tuple[int, _Row]], states: dict[tuple[int, ...], PrefixState],
                      prefilled: dict[int, torch.Tensor]) -> torch.Tensor:
-        """float32 logits of each row's kept positions, row after row: [sum of keep, V].
+        """Final hidden states of each row's kept positions, row after row: [sum of keep, H].
 
         Rows without a shared prefix take the plain packed pass; rows run with their prefix's prefill bring their
         hidden states (`prefilled`, by row index); the others run over their prefix's states.
@@ -178,18 +179,13 @@ class Scorer:
         shared = [i for i, row in enumerate(rows) if row.split > 0 and parts[i] is None]
         if plain:
             keep = [rows[i].keep for i in plain]
-            logits = forward_logits(model, plan, [rows[i].tokens for i in plain], pad, keep_last=keep)
-            for i, block in zip(plain, logits.split(keep)):
+            hidden = forward_hidden(model, plan, [rows[i].tokens for i in plain], pad, keep_last=keep)
+            for i, block in zip(plain, hidden.split(keep)):
                 parts[i] = block
         if shared:
             keep = [rows[i].keep for i in shared]
             suffix_rows = [SuffixRow(states[tuple(rows[i].tokens[: rows[i].split])], tuple(rows[i].tokens[rows[i].split :]),
                                      rows[i].keep) for i in shared]
             for i, block in zip(shared, forward_suffixes(model, plan, suffix_rows, pad).split(keep)):
-                parts[i] = block
-        over_prefix = [i for i, row in enumerate(rows) if row.split > 0]  # their parts are hidden states, not logits
-        if over_prefix:
-            logits = head_logits(plan, torch.cat([parts[i] for i in over_prefix]))
-            for i, block in zip(over_prefix, logits.split([rows[i].keep for i in over_prefix])):
                 parts[i] = block
         return torch.cat(parts)
