@@ -15,9 +15,9 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from app.api.common import finite
+from app.api.front import Front
+from app.api.inputs import check_limit
 from app.api.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields, TextPart
-from app.engine.core import Engine
-from app.engine.inputs import check_limit
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.work import GenerationParams
 from app.errors import GenscoreError, InvalidRequestError, error_body
@@ -53,9 +53,10 @@ class _ChoiceState:
 class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.checks = engine.checks
+    def __init__(self, front: Front):
+        self.front = front
+        engine = self.engine = front.engine
+        self.checks = front.checks
         self.loaded = engine.loaded
         self.settings = engine.settings
         self.tokens = engine.token_strings
@@ -135,7 +136,7 @@ class OpenAIServing:
                     echo_texts if request.echo else None)
 
     async def completion(self, request: CompletionRequest):
-        work = await self.engine.on_tokenizer_thread(self.completion_work, request)
+        work = await self.front.on_tokenizer_thread(self.completion_work, request)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._completion_chunks(work, response_id, created))
@@ -277,7 +278,7 @@ class OpenAIServing:
                     bool(request.stream_options and request.stream_options.include_usage))
 
     async def chat(self, request: ChatCompletionRequest):
-        work = await self.engine.on_tokenizer_thread(self.chat_work, request)
+        work = await self.front.on_tokenizer_thread(self.chat_work, request)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
             return self._sse(self._chat_chunks(work, response_id, created))
