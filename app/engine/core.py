@@ -187,7 +187,7 @@ class Engine:
         outcomes = await self.batcher.submit(works)
         return ScoredPrompts(prompts, candidates, query.params, outcomes)
 
-    def check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
+    def _check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
         """400 when one choice of this prompt could never fit the memory budget, even alone: its cache grown to
         prompt + max_tokens, with its prefill. Names max_tokens when a smaller one would fit, else the prompt."""
         if self.budget is None:
@@ -202,10 +202,16 @@ class Engine:
         raise InvalidRequestError(f"a prompt of {prompt_len} tokens does not fit the server's memory budget "
                                   "(--memory-budget) even alone; shorten it", param)
 
-    def generate(self, prompt_ids: list[int], params: GenerationParams
-                 ) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
-        """Stream one prompt's events from the generator (see Generator.generate)."""
+    def generate(self, prompt_ids: list[int], params: GenerationParams, param: str = "prompt",
+                 max_param: str = "max_tokens") -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
+        """Stream one prompt's events from the generator (see Generator.generate); nothing is queued until the
+        stream is iterated.
+
+        A prompt whose choice could never fit the memory budget is refused here, at the call (400 naming `param`,
+        the prompt's field, or `max_param`, the request's max_tokens): a caller that calls this before it starts
+        its answer gets the 400 before any streamed byte."""
         self._check_alive()
+        self._check_generation(len(prompt_ids), params.max_tokens, param, max_param)
         return self.generator.generate(prompt_ids, params)
 
     def _check_alive(self) -> None:
