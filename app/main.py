@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from app.api.compat import sglang, vllm
 from app.api.errors import edge_error_responses, install_error_handlers
+from app.api.front import Front
 from app.api.health import router as health
 from app.api.judge import router as judge
 from app.api.openai import router as openai
@@ -42,6 +43,7 @@ class Lifecycle:
     """Where the server is in its life; the probes read this and nothing else."""
 
     engine: Engine | None = None
+    front: Front | None = None  # the API layer's hold on the engine (checks, tokenizer thread); set with it
     ready: bool = False
     warmed: bool = False  # stays True while draining: requests received before SIGTERM are still served
     draining: bool = False
@@ -90,7 +92,8 @@ def create_app(
         generation_counts=lambda: (state.generator.waiting, state.generator.running) if state.engine else None,
         engine_counts=lambda: state.engine.work_counts if state.engine else None,
     )
-    starting: list[Engine] = []  # the engine while it warms up, so shutdown stops it even before it is ready
+    # the engine (with its Front) while it warms up, so shutdown stops it even before it is ready
+    starting: list[Front] = []
 
     async def bring_up(device: ThreadPoolExecutor) -> None:
         try:
@@ -108,7 +111,8 @@ def create_app(
             metrics_registry.set_model(settings.model_name, str(model.device), dtype_name, model.load_seconds)
             engine = Engine(model, settings, on_batch=metrics_registry.observe_batch,
                             on_tokens=metrics_registry.observe_generation, device=device)
-            starting.append(engine)
+            front = Front(engine)
+            starting.append(front)
             try:
                 app.state.rerank = RerankPrompts.bind(resolve_format(settings.rerank_format, model.tokenizer),
                                                       model.tokenizer)
@@ -118,7 +122,7 @@ def create_app(
             started = time.perf_counter()
             engine.start()
             await engine.warm_up()
-            state.engine = engine
+            state.engine, state.front = engine, front
             state.warmed = True
             state.ready = not state.draining
             log.info("ready (warm-up %.2f s)", time.perf_counter() - started)
@@ -138,8 +142,9 @@ def create_app(
         finally:
             state.start_draining()
             bring_up_task.cancel()
-            for engine in starting:
-                await engine.stop()
+            for front in starting:
+                await front.engine.stop()
+                front.close()
             device.shutdown(wait=False)  # a load still running finishes on its own; nothing waits for it
 
     app = FastAPI(

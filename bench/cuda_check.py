@@ -439,6 +439,7 @@ def section_engine(args, device, spec: str) -> dict:
     import io
     import pstats
 
+    from app.api.front import Front
     from app.api.score import serving
     from app.api.score.protocol import ScoreRequest
     from app.engine.core import Engine
@@ -483,11 +484,12 @@ def section_engine(args, device, spec: str) -> dict:
 
     async def main() -> None:
         engine = Engine(loaded, settings, device=thread)
+        front = Front(engine)
         engine.start()
         await engine.warm_up()
 
         async def call(request):
-            response = await serving.score(engine, ScoreRequest(**request.score_body()))
+            response = await serving.score(front, ScoreRequest(**request.score_body()))
             return [row["label_logprobs"] for row in response["data"]]
 
         try:
@@ -515,6 +517,7 @@ def section_engine(args, device, spec: str) -> dict:
             device_profile[0] = None
         finally:
             await engine.stop()
+            front.close()
 
     try:
         asyncio.run(main())

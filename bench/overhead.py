@@ -52,9 +52,10 @@ def _profile_top(profile: cProfile.Profile, n: int) -> str:
     return out.getvalue()
 
 
-async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cprofile: int, rows: list,
+async def _engine_layers(front, bodies: list[dict], repeats: int, inner: bool, cprofile: int, rows: list,
                          profiles: dict) -> None:
-    """Time Engine.score and serving.score on eng; with `inner`, also the model forward and Scorer.run_batch."""
+    """Time Engine.score and serving.score on front's engine; with `inner`, also the model forward and
+    Scorer.run_batch."""
     import torch
 
     from app.api.score import serving
@@ -62,11 +63,12 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
     from app.engine.work import ScoreWork
     from models import forward_logits
 
+    eng = front.engine
     loaded = eng.loaded
     if inner:
         works = {}
         for body in bodies:  # the exact units Engine.score submits
-            query = serving.score_query(eng, ScoreRequest(**body))
+            query = serving.score_query(front, ScoreRequest(**body))
             works[id(body)] = [ScoreWork(ids, query.params, 0, query.candidates) for ids in query.prompts]
 
         # Everything on the engine's device thread, where the model was loaded (app/engine/device.py says why).
@@ -97,10 +99,10 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
             profiles["Scorer.run_batch"] = await on_device(profiled)
 
     async def engine_score(body):
-        return await eng.score(await eng.on_tokenizer_thread(serving.score_query, eng, ScoreRequest(**body)))
+        return await eng.score(await front.on_tokenizer_thread(serving.score_query, front, ScoreRequest(**body)))
 
     async def serving_score(body):
-        return await serving.score(eng, ScoreRequest(**body))
+        return await serving.score(front, ScoreRequest(**body))
 
     label = f"max_wait_ms {eng.settings.max_wait_ms:g}"
     rows.append((f"Engine.score ({label})", await _timed_async(engine_score, bodies, repeats)))
@@ -110,7 +112,7 @@ async def _engine_layers(eng, bodies: list[dict], repeats: int, inner: bool, cpr
         profile = cProfile.Profile()
         profile.enable()
         for body in bodies:
-            await serving.score(eng, ScoreRequest(**body))
+            await serving.score(front, ScoreRequest(**body))
         profile.disable()
         profiles["serving.score (event-loop thread only)"] = profile
 
@@ -130,6 +132,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from app.api.front import Front
     from app.engine.core import Engine
     from app.engine.device import device_thread
     from app.settings import Settings
@@ -148,13 +151,15 @@ def main(argv=None) -> int:
     async def in_process() -> None:
         for max_wait_ms in (settings.max_wait_ms, 0.0):
             eng = Engine(loaded, settings.model_copy(update={"max_wait_ms": max_wait_ms}), device=device)
+            front = Front(eng)
             eng.start()
             await eng.warm_up()
             try:
                 inner = max_wait_ms == settings.max_wait_ms
-                await _engine_layers(eng, bodies, args.repeats, inner, args.cprofile, rows, profiles)
+                await _engine_layers(front, bodies, args.repeats, inner, args.cprofile, rows, profiles)
             finally:
                 await eng.stop()
+                front.close()
 
     asyncio.run(in_process())
 

@@ -12,6 +12,7 @@ import random
 import statistics
 import time
 
+from app.api.front import Front
 from app.api.score import serving
 from app.api.score.protocol import ScoreRequest
 from app.engine.core import Engine
@@ -33,12 +34,12 @@ def workload(n_items: int, seed: int = 0) -> tuple[str, list[str]]:
     return query, items
 
 
-async def run(engine: Engine, request: ScoreRequest, repeats: int) -> tuple[float, dict, list]:
+async def run(front: Front, request: ScoreRequest, repeats: int) -> tuple[float, dict, list]:
     """Median wall time of `repeats` requests; the usage and the numbers of the last one."""
     times, out = [], None
     for _ in range(repeats):
         started = time.perf_counter()
-        out = await serving.score(engine, request)
+        out = await serving.score(front, request)
         times.append(time.perf_counter() - started)
     return statistics.median(times), out["usage"], [d["label_logprobs"] for d in out["data"]]
 
@@ -64,15 +65,17 @@ async def main(args: argparse.Namespace) -> None:
         for name, overrides in variants.items():
             settings = Settings(model=args.model, max_batch_size=args.max_batch_size, **overrides)
             engine = Engine(loaded, settings, device=device)
+            front = Front(engine)
             engine.start()
             await engine.warm_up()
             try:
                 if name.endswith("(repeat)"):
-                    await serving.score(engine, request)  # fills the cache; the timed requests reuse it
-                wall, usage, values = await run(engine, request, args.repeats)
+                    await serving.score(front, request)  # fills the cache; the timed requests reuse it
+                wall, usage, values = await run(front, request, args.repeats)
                 stats = engine.prefix_cache.stats
             finally:
                 await engine.stop()
+                front.close()
             computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
             if baseline_time is None:
                 baseline_time, baseline_values = wall, values

@@ -63,6 +63,7 @@ def naive(spec: dict) -> dict:
 
 def engine(spec: dict) -> dict:
     """genscore's Engine in this process, no HTTP: the same batcher, forward pass and response building."""
+    from app.api.front import Front
     from app.api.score import serving
     from app.api.score.protocol import ScoreRequest
     from app.engine.core import Engine
@@ -80,11 +81,12 @@ def engine(spec: dict) -> dict:
 
     async def main() -> dict:
         eng = Engine(loaded, settings, device=device)
+        front = Front(eng)
         eng.start()
         await eng.warm_up()
 
         async def call(request: dict):
-            response = await serving.score(eng, ScoreRequest(**request["body"]))
+            response = await serving.score(front, ScoreRequest(**request["body"]))
             return [row["label_logprobs"] for row in response["data"]]
 
         def counters() -> dict:
@@ -103,6 +105,7 @@ def engine(spec: dict) -> dict:
                     runs[name][str(concurrency)] = result.__dict__
         finally:
             await eng.stop()
+            front.close()
         return runs
 
     runs = asyncio.run(main())

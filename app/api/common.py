@@ -1,4 +1,5 @@
-"""What every route shares: the ready engine of the app, a fast JSON response, and how numbers go on the wire."""
+"""What every route shares: the served model's Front (ready, or loaded), a fast JSON response, and how numbers go
+on the wire."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from app.engine.core import Engine
+from app.api.front import Front
 from app.errors import ServiceUnavailableError
 
 NEG_INF_JSON = -9999.0  # JSON has no -inf; this stands for it everywhere
@@ -45,22 +46,22 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-async def ready_engine(request: Request) -> Engine:
-    """The engine, or 503 while the model loads or warms up. While draining after SIGTERM the engine still
+async def ready_front(request: Request) -> Front:
+    """The served model's Front, or 503 while the model loads or warms up. While draining after SIGTERM it still
     serves: uvicorn has stopped accepting connections, so every request that gets here was received before.
 
     The dependencies here are coroutines so that FastAPI runs them on the event loop: a plain function would be
     sent to its thread pool and back on every request."""
     state = request.app.state.lifecycle
-    if not state.warmed or state.engine is None or state.failure() is not None:
+    if not state.warmed or state.front is None or state.failure() is not None:
         raise ServiceUnavailableError(state.not_ready_reason())
-    return state.engine
+    return state.front
 
 
-async def loaded_engine(request: Request) -> Engine:
-    """The engine for routes that need only the model's tokenizer and facts, not its loop: 503 until it is warmed
-    up, and then served even if the engine's loop has died."""
+async def loaded_front(request: Request) -> Front:
+    """The Front for routes that need only the model's tokenizer and facts, not the engine's loop: 503 until it is
+    warmed up, and then served even if the engine's loop has died."""
     state = request.app.state.lifecycle
-    if not state.warmed or state.engine is None:
+    if not state.warmed or state.front is None:
         raise ServiceUnavailableError(state.not_ready_reason())
-    return state.engine
+    return state.front

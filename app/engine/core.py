@@ -1,7 +1,7 @@
 """The engine core: the one owner of the device. One loop of steps, each asking the scheduler what runs next (a
-scoring batch, a generation step, a trim) and running it on one device thread, under one memory budget in bytes; tokenization and input checks run on one tokenizer
-thread that the API layer renders and tokenizes on. Typed work of token ids in (ScoreQuery, prompt + GenerationParams),
-typed results out (ScoredPrompts, stream events)."""
+scoring batch, a generation step, a trim) and running it on one device thread, under one memory budget in bytes.
+Typed work of token ids in (ScoreQuery, prompt + GenerationParams), typed results out (ScoredPrompts, stream
+events); the API layer checks and tokenizes requests before they get here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from app.engine.batcher import Batcher, BatchStats
 from app.engine.budget import MemoryBudget, baseline_bytes
 from app.engine.device import DEVICE_THREAD, device_thread
 from app.engine.generation import Generator
-from app.engine.inputs import InputChecks
 from app.engine.results import ChoiceUpdate, PromptLogprobs, ScoredPrompts, ScoreOutcome
 from app.engine.scheduler import GenerationStep, Idle, Scheduler, ScoringBatch, Trim
 from app.engine.scoring import Scorer, common_prefix_len
@@ -34,7 +33,7 @@ _STOPPED = "the engine loop (scoring batcher and generation) stopped"
 
 
 class Engine:
-    """Owns the loaded model, the device and tokenizer threads, the scoring batcher, the generator, and the one loop
+    """Owns the loaded model, the device thread, the scoring batcher, the generator, and the one loop
     of steps that drives them. Scoring and generation never drive the model from two threads: two torch thread
     teams on the same cores would slow both, and the budget could not hold."""
 
@@ -43,15 +42,10 @@ class Engine:
         self.loaded = loaded
         self.settings = settings
         self.model_name = settings.model_name
-        self.checks = InputChecks(settings.model_name, loaded.vocab_size, loaded.max_length, settings)
-        self.max_prompt_tokens = self.checks.max_prompt_tokens
         # The thread the model was loaded on (app/engine/device.py says why it must be the same one); whoever
         # passes it in shuts it down, a thread of the engine's own is shut down at stop.
         self._owns_device = device is None
         self.device = device or device_thread()
-        # Tokenizing a long text takes seconds; off the event loop so probes and other callers go on.
-        # One thread: a fast tokenizer shared by threads can fail with "Already borrowed".
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genscore-tokenize")
         self.token_strings = TokenStrings(loaded.tokenizer)  # shared with the OpenAI routes: one cache
         self.scorer = Scorer(loaded, settings.share_prefixes, int(settings.prefix_cache_mb * 2**20))
         self._wake = asyncio.Event()
@@ -137,7 +131,6 @@ class Engine:
                 await self._task
         if self._owns_device:
             self.device.shutdown(wait=True)
-        self._tokenizer_thread.shutdown(wait=True)
 
     # --- the loop of steps -------------------------------------------------------------
     async def step(self) -> None:
@@ -172,10 +165,6 @@ class Engine:
         self.generator.fail_all(ServiceUnavailableError(_STOPPED))
 
     # --- the request path ------------------------------------------------------------
-    async def on_tokenizer_thread(self, fn, *args):
-        """Run fn(*args) on the one tokenizer thread: long texts stall no one, and the tokenizer is never shared."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
-
     async def score(self, query: ScoreQuery) -> ScoredPrompts:
         """Score every prompt of the query through the batcher, one unit each. The prompts' common prefix is marked
         shared when more than one sequence hangs off it (several prompts, or candidates), so it runs once per batch
@@ -198,7 +187,7 @@ class Engine:
         outcomes = await self.batcher.submit(works)
         return ScoredPrompts(prompts, candidates, query.params, outcomes)
 
-    def check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
+    def _check_generation(self, prompt_len: int, max_tokens: int, param: str, max_param: str) -> None:
         """400 when one choice of this prompt could never fit the memory budget, even alone: its cache grown to
         prompt + max_tokens, with its prefill. Names max_tokens when a smaller one would fit, else the prompt."""
         if self.budget is None:
@@ -213,10 +202,16 @@ class Engine:
         raise InvalidRequestError(f"a prompt of {prompt_len} tokens does not fit the server's memory budget "
                                   "(--memory-budget) even alone; shorten it", param)
 
-    def generate(self, prompt_ids: list[int], params: GenerationParams
-                 ) -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
-        """Stream one prompt's events from the generator (see Generator.generate)."""
+    def generate(self, prompt_ids: list[int], params: GenerationParams, param: str = "prompt",
+                 max_param: str = "max_tokens") -> AsyncIterator[PromptLogprobs | ChoiceUpdate]:
+        """Stream one prompt's events from the generator (see Generator.generate); nothing is queued until the
+        stream is iterated.
+
+        A prompt whose choice could never fit the memory budget is refused here, at the call (400 naming `param`,
+        the prompt's field, or `max_param`, the request's max_tokens): a caller that calls this before it starts
+        its answer gets the 400 before any streamed byte."""
         self._check_alive()
+        self._check_generation(len(prompt_ids), params.max_tokens, param, max_param)
         return self.generator.generate(prompt_ids, params)
 
     def _check_alive(self) -> None:

@@ -10,7 +10,7 @@ from sampler import SamplingParams
 @dataclass(frozen=True)
 class ScoreQuery:
     """One scoring request as the engine takes it from every route: prompts as token ids and what to read at their
-    ends. The API layer renders, tokenizes (on the engine's tokenizer thread) and checks the inputs first.
+    ends. The API layer renders, tokenizes (on its one tokenizer thread) and checks the inputs first.
 
     `candidates` are scored as continuations of each prompt (none: the next position's labels). `param` names the
     request field the prompts came from ("query" for a lone query, else e.g. "items" or "documents": prompt i is

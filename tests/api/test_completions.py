@@ -378,6 +378,33 @@ def test_unknown_model_is_404(client):
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
 
 
+class _SmallBudget:
+    """A memory budget that holds one generating row only while its cache stays within `final` tokens."""
+
+    def __init__(self, final: int):
+        self.final = final
+
+    def generation_fits(self, rows: int, final: int, prefill_rows: int, prefill_width: int) -> bool:
+        return final <= self.final
+
+    def scoring_tokens(self, cache_rows: int, cache_final: int, max_batch_tokens: int) -> int:
+        return max_batch_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_the_memory_budget_cannot_hold_is_a_400_before_any_streamed_byte(client, monkeypatch, stream):
+    """A prompt whose choice could never fit even alone is refused with a status line, not a stream's error event;
+    the field named is max_tokens when a smaller one would fit, else the prompt."""
+    monkeypatch.setattr(client.app.state.lifecycle.engine, "budget", _SmallBudget(final=24))
+    too_many = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "stream": stream})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens", too_many.text
+    too_long = client.post("/v1/completions", json={"prompt": [[5, 6, 7], list(range(5, 35))], "max_tokens": 1,
+                                                    "stream": stream})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt[1]", too_long.text
+    fits = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": stream})
+    assert fits.status_code == 200, fits.text
+
+
 # --- the official openai SDK against a live server --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.inputs import check_limit
+from app.api.inputs import check_limit
 from app.errors import InvalidRequestError
 
 

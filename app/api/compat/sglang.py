@@ -7,12 +7,12 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from app.api.common import FastJSONResponse, ready_engine, usage
+from app.api.common import FastJSONResponse, ready_front, usage
 from app.api.errors import ROUTE_ERRORS
+from app.api.front import Front
 from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
-from app.engine.core import Engine
 from app.engine.work import ScoreQuery
 from app.errors import InvalidRequestError
 from sampler import LogprobsMode
@@ -40,9 +40,9 @@ class SGLangScoringResponse(BaseModel):
     object: Literal["scoring"] = "scoring"
 
 
-def score_query(engine: Engine, request: SGLangScoringRequest, items: list[str] | list[list[int]]) -> ScoreQuery:
+def score_query(front: Front, request: SGLangScoringRequest, items: list[str] | list[list[int]]) -> ScoreQuery:
     """The same prompts SGLang builds, as token ids in raw_logprobs mode. Tokenizes: runs on the tokenizer thread."""
-    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    render = ScorePrompts(front.engine.loaded.tokenizer, front.checks)
     params = render.sampling_params(request.label_token_ids, None, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
     if isinstance(request.query, str):
         # SGLang concatenates the texts and tokenizes each whole prompt with the tokenizer's special tokens
@@ -55,15 +55,16 @@ def score_query(engine: Engine, request: SGLangScoringRequest, items: list[str] 
 
 @router.post("/v1/score", response_model=SGLangScoringResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def sglang_score(request: SGLangScoringRequest, http_request: Request,
-                       engine: Engine = Depends(ready_engine)):
-    engine.checks.model(request.model)
+                       front: Front = Depends(ready_front)):
+    front.checks.model(request.model)
+    engine = front.engine
     if not request.items:  # SGLang answers an empty item list with no scores
         scored, counts = [], {"prompt_tokens": 0, "total_tokens": 0}
     else:
         items = [request.items] if isinstance(request.items, str) else request.items
         if isinstance(request.query, str) != isinstance(items[0], str):
             raise InvalidRequestError("query and items must both be text or both be token ids", "items")
-        result = await engine.score(await engine.on_tokenizer_thread(score_query, engine, request, items))
+        result = await engine.score(await front.on_tokenizer_thread(score_query, front, request, items))
         scored = [scores(o.labels.label_values, request.apply_softmax, result.params) for o in result.outcomes]
         counts = usage(result.prompt_tokens, result.cached_tokens)
         http_request.app.state.metrics.observe_usage(counts)

@@ -9,12 +9,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, Strict
 
-from app.api.common import FastJSONResponse, ready_engine, usage
+from app.api.common import FastJSONResponse, ready_front, usage
 from app.api.errors import ROUTE_ERRORS
+from app.api.front import Front
 from app.api.protocol import Flag, PromptUsage, StrictModel, TokenId
 from app.api.score.prompts import ScorePrompts
 from app.api.score.serving import scores
-from app.engine.core import Engine
 from app.engine.work import ScoreQuery
 from sampler import LogprobsMode
 
@@ -50,9 +50,9 @@ class GenerativeScoringResponse(BaseModel):
     usage: PromptUsage
 
 
-def score_query(engine: Engine, request: GenerativeScoringRequest) -> ScoreQuery:
+def score_query(front: Front, request: GenerativeScoringRequest) -> ScoreQuery:
     """Query and items tokenized apart and joined, in raw_logprobs mode. Tokenizes: runs on the tokenizer thread."""
-    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    render = ScorePrompts(front.engine.loaded.tokenizer, front.checks)
     params = render.sampling_params(request.label_token_ids, None, logprobs_mode=LogprobsMode.RAW_LOGPROBS)
     prompts = render.prompts(request.query, request.items, item_first=request.item_first,
                              add_special_tokens=request.add_special_tokens)
@@ -61,9 +61,10 @@ def score_query(engine: Engine, request: GenerativeScoringRequest) -> ScoreQuery
 
 @router.post("/generative_scoring", response_model=GenerativeScoringResponse, responses=ROUTE_ERRORS,
              response_class=FastJSONResponse)
-async def generative_scoring(request: GenerativeScoringRequest, raw: Request, engine: Engine = Depends(ready_engine)):
-    engine.checks.model(request.model)
-    result = await engine.score(await engine.on_tokenizer_thread(score_query, engine, request))
+async def generative_scoring(request: GenerativeScoringRequest, raw: Request, front: Front = Depends(ready_front)):
+    front.checks.model(request.model)
+    engine = front.engine
+    result = await engine.score(await front.on_tokenizer_thread(score_query, front, request))
     base_id = raw.headers.get("X-Request-Id") or request.request_id or uuid.uuid4().hex
     counts = usage(result.prompt_tokens, result.cached_tokens)
     raw.app.state.metrics.observe_usage(counts)

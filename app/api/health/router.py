@@ -35,11 +35,11 @@ async def ready(request: Request):
 async def models(request: Request):
     state = request.app.state.lifecycle
     cards = []
-    if state.engine is not None:
-        engine = state.engine
-        cards.append({"id": engine.model_name, "object": "model", "created": state.started_at,
-                      "owned_by": "genscore", "max_model_len": engine.max_prompt_tokens,
-                      "fast_paths": engine.loaded.plan.as_dict()})
+    if state.front is not None:
+        front = state.front
+        cards.append({"id": front.engine.model_name, "object": "model", "created": state.started_at,
+                      "owned_by": "genscore", "max_model_len": front.max_prompt_tokens,
+                      "fast_paths": front.engine.loaded.plan.as_dict()})
     return {"object": "list", "data": cards}
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.api.common import finite
+from app.api.front import Front
 from app.api.judge.calibration import Calibration
 from app.api.judge.label_scores import LabelScores, summarize
 from app.api.judge.label_sets import BoundLabelSet, bind_label_set, resolve_label_set
@@ -32,13 +33,13 @@ def logprobs_mode_of(engine: Engine, requested: LogprobsMode | str | None) -> Lo
     return mode
 
 
-async def request_labels(engine: Engine, spec: str | Mapping, mode: LogprobsMode, calibrated: bool,
+async def request_labels(front: Front, spec: str | Mapping, mode: LogprobsMode, calibrated: bool,
                          param: str = "labels") -> RequestLabels:
     """Resolve and bind `spec`; with `calibrated`, the named set's calibration under the same logprobs mode."""
-    settings = engine.settings
+    settings, loaded = front.engine.settings, front.engine.loaded
     label_set = resolve_label_set(spec, settings.label_set_definitions, param)
-    bound = await engine.on_tokenizer_thread(bind_label_set, label_set, engine.loaded.tokenizer,
-                                             engine.loaded.vocab_size, settings.max_candidates, param)
+    bound = await front.on_tokenizer_thread(bind_label_set, label_set, loaded.tokenizer, loaded.vocab_size,
+                                            settings.max_candidates, param)
     calibration = None
     if calibrated:
         calibration = settings.calibrations.get(label_set.name) if label_set.name is not None else None

@@ -8,19 +8,19 @@ import time
 import uuid
 
 from app.api.common import finite, usage
+from app.api.front import Front
 from app.api.judge.bradley_terry import bradley_terry
 from app.api.judge.label_requests import logprobs_mode_of, request_labels
 from app.api.judge.label_scores import LabelScores, label_scores
 from app.api.judge.pairwise import PairVerdict, check_template, pairs_of, prompt_ids
 from app.api.judge.protocol import PairwiseRequest
-from app.engine.core import Engine
 from app.engine.work import ScoreQuery
 from app.errors import InvalidRequestError
 
 
-def _check_lengths(engine: Engine, prompts: list[list[int]], pairs: list[tuple[int, int]], longest_form: int) -> None:
+def _check_lengths(front: Front, prompts: list[list[int]], pairs: list[tuple[int, int]], longest_form: int) -> None:
     """Each prompt with its longest verdict form must fit the model."""
-    limit = engine.max_prompt_tokens
+    limit = front.max_prompt_tokens
     for k, ids in enumerate(prompts):
         if len(ids) + longest_form > limit:
             a, b = pairs[k // 2]
@@ -29,20 +29,21 @@ def _check_lengths(engine: Engine, prompts: list[list[int]], pairs: list[tuple[i
                                       "answers")
 
 
-async def judge_pairwise(engine: Engine, request: PairwiseRequest) -> dict:
-    engine.checks.model(request.model)
+async def judge_pairwise(front: Front, request: PairwiseRequest) -> dict:
+    front.checks.model(request.model)
+    engine = front.engine
     check_template(request)
     pairs = pairs_of(len(request.answers), engine.settings.max_judge_pairs)
     mode = logprobs_mode_of(engine, request.logprobs_mode)
-    labels = await request_labels(engine, request.labels, mode, request.calibrated)
+    labels = await request_labels(front, request.labels, mode, request.calibrated)
     names = labels.bound.label_set.labels
     if len(names) != 2:
         raise InvalidRequestError("a pairwise label set has exactly two labels: the verdict for the answer shown "
                                   "first, then for the one shown second", "labels")
-    params = engine.checks.sampling(mode, request.logit_bias, temperature=request.temperature, top_k=request.top_k,
-                                    top_p=request.top_p, min_p=request.min_p)
-    prompts = await engine.on_tokenizer_thread(prompt_ids, request, pairs, engine.loaded.tokenizer)
-    _check_lengths(engine, prompts, pairs, max(len(c) for c in labels.bound.candidates))
+    params = front.checks.sampling(mode, request.logit_bias, temperature=request.temperature, top_k=request.top_k,
+                                   top_p=request.top_p, min_p=request.min_p)
+    prompts = await front.on_tokenizer_thread(prompt_ids, request, pairs, engine.loaded.tokenizer)
+    _check_lengths(front, prompts, pairs, max(len(c) for c in labels.bound.candidates))
     outcomes = (await engine.score(ScoreQuery(prompts, params, labels.bound.candidates, "answers"))).outcomes
     scored = [label_scores(labels.bound, o.candidate_values) for o in outcomes]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from app.api.common import FastJSONResponse, ready_engine
+from app.api.common import FastJSONResponse, ready_front
 from app.api.errors import ROUTE_ERRORS
+from app.api.front import Front
 from app.api.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from app.api.openai.serving import OpenAIServing
-from app.engine.core import Engine
 
 router = APIRouter()
 
@@ -16,14 +16,14 @@ STREAM = {"content": {"text/event-stream": {}}, "description": "With `stream: tr
 
 
 async def ready_openai(request: Request) -> OpenAIServing:
-    """The serving logic over the ready engine, or 503; built once per engine."""
-    return openai_serving(request, await ready_engine(request))
+    """The serving logic over the ready Front, or 503; built once per Front."""
+    return openai_serving(request, await ready_front(request))
 
 
-def openai_serving(request: Request, engine: Engine) -> OpenAIServing:
+def openai_serving(request: Request, front: Front) -> OpenAIServing:
     serving = getattr(request.app.state, "openai_serving", None)
-    if serving is None or serving.engine is not engine:
-        serving = request.app.state.openai_serving = OpenAIServing(engine)
+    if serving is None or serving.front is not front:
+        serving = request.app.state.openai_serving = OpenAIServing(front)
     return serving
 
 

@@ -15,9 +15,9 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from app.api.common import finite
+from app.api.front import Front
+from app.api.inputs import check_limit
 from app.api.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields, TextPart
-from app.engine.core import Engine
-from app.engine.inputs import check_limit
 from app.engine.results import ChoiceUpdate, PositionLogprobs, PromptLogprobs
 from app.engine.work import GenerationParams
 from app.errors import GenscoreError, InvalidRequestError, error_body
@@ -40,6 +40,8 @@ class Work:
     stream: bool
     include_usage: bool
     echo_texts: list[str] | None = None  # completions with echo: the prompt text each choice starts with
+    prompt_params: list[str] = field(default_factory=list)  # each prompt's field, for the engine's 400s
+    max_param: str = "max_tokens"  # the request's name for max_tokens
 
 
 @dataclass
@@ -53,9 +55,10 @@ class _ChoiceState:
 class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.checks = engine.checks
+    def __init__(self, front: Front):
+        self.front = front
+        engine = self.engine = front.engine
+        self.checks = front.checks
         self.loaded = engine.loaded
         self.settings = engine.settings
         self.tokens = engine.token_strings
@@ -86,7 +89,6 @@ class OpenAIServing:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.loaded.max_length} tokens, but {len(ids)} prompt "
                 f"tokens + {max_tokens} completion tokens were requested; reduce the prompt or {max_param}", max_param)
-        self.engine.check_generation(len(ids), max_tokens, param, max_param)
 
     # --- /v1/completions -----------------------------------------------------------------------------------------
     def completion_work(self, request: CompletionRequest) -> Work:
@@ -114,9 +116,10 @@ class OpenAIServing:
             self.checks.label_ids(ids_to_report, "logprob_token_ids")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         check_limit(max_tokens, self.settings.max_generated_tokens, "max_tokens", "max_generated_tokens")
-        prompts, echo_texts = [], []
+        prompts, echo_texts, prompt_params = [], [], []
         for i, item in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+            prompt_params.append(param)
             if isinstance(item, str):
                 ids = self.loaded.tokenizer(item, add_special_tokens=True)["input_ids"]
                 echo_texts.append(item)
@@ -132,14 +135,15 @@ class OpenAIServing:
             logprobs=request.logprobs, prompt_logprobs=request.echo and request.logprobs is not None,
             logprob_token_ids=ids_to_report)
         return Work(prompts, params, request.stream, bool(request.stream_options and request.stream_options.include_usage),
-                    echo_texts if request.echo else None)
+                    echo_texts if request.echo else None, prompt_params)
 
     async def completion(self, request: CompletionRequest):
-        work = await self.engine.on_tokenizer_thread(self.completion_work, request)
+        work = await self.front.on_tokenizer_thread(self.completion_work, request)
+        events = self._events(work)  # a 400 from the engine comes here, before any answer starts
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
-            return self._sse(self._completion_chunks(work, response_id, created))
-        states, prompt_logprobs = await self._collect(work)
+            return self._sse(self._completion_chunks(work, events, response_id, created))
+        states, prompt_logprobs = await self._collect(work, events)
         choices = []
         for p, ids in enumerate(work.prompts):
             for c in range(work.params.n):
@@ -183,7 +187,8 @@ class OpenAIServing:
             out["token_id_logprobs"] = by_id
         return out
 
-    async def _completion_chunks(self, work: Work, response_id: str, created: int) -> AsyncIterator[dict]:
+    async def _completion_chunks(self, work: Work, events: AsyncIterator, response_id: str,
+                                 created: int) -> AsyncIterator[dict]:
         n = work.params.n
         offsets = [0] * (len(work.prompts) * n)
         echoed = [False] * len(offsets)
@@ -194,7 +199,7 @@ class OpenAIServing:
             return self._choice_chunk(work, response_id, created, "text_completion", {
                 "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
-        async for p, event in self._events(work):
+        async for p, event in events:
             if isinstance(event, PromptLogprobs):
                 prompt_logprobs[p] = event.positions
                 continue
@@ -273,15 +278,16 @@ class OpenAIServing:
             max_tokens=max_tokens, sampling=self._sampling(request), n=request.n, stop=self._stop(request),
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, seed=request.seed,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None)
-        return Work([ids], params, request.stream,
-                    bool(request.stream_options and request.stream_options.include_usage))
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return Work([ids], params, request.stream, include_usage, prompt_params=["messages"], max_param=param)
 
     async def chat(self, request: ChatCompletionRequest):
-        work = await self.engine.on_tokenizer_thread(self.chat_work, request)
+        work = await self.front.on_tokenizer_thread(self.chat_work, request)
+        events = self._events(work)  # a 400 from the engine comes here, before any answer starts
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if work.stream:
-            return self._sse(self._chat_chunks(work, response_id, created))
-        states, _ = await self._collect(work)
+            return self._sse(self._chat_chunks(work, events, response_id, created))
+        states, _ = await self._collect(work, events)
         choices = []
         for c, state in enumerate(states[0]):
             logprobs = None
@@ -299,7 +305,8 @@ class OpenAIServing:
                  "top_logprobs": [{"token": text(t), "logprob": finite(v), "bytes": raw(t)} for t, v in lp.top]}
                 for lp in positions]
 
-    async def _chat_chunks(self, work: Work, response_id: str, created: int) -> AsyncIterator[dict]:
+    async def _chat_chunks(self, work: Work, events: AsyncIterator, response_id: str,
+                           created: int) -> AsyncIterator[dict]:
         generated = 0
 
         def chunk(index: int, delta: dict, logprobs, finish_reason) -> dict:
@@ -308,7 +315,7 @@ class OpenAIServing:
 
         for c in range(work.params.n):  # OpenAI opens every choice with the assistant role
             yield chunk(c, {"role": "assistant", "content": ""}, None, None)
-        async for _, event in self._events(work):
+        async for _, event in events:
             generated += len(event.token_ids)
             logprobs = None
             if work.params.logprobs is not None:
@@ -321,26 +328,38 @@ class OpenAIServing:
             yield self._usage_chunk(work, response_id, created, "chat.completion.chunk", generated)
 
     # --- running the generator ---------------------------------------------------------------------------------------
-    async def _events(self, work: Work) -> AsyncIterator[tuple[int, PromptLogprobs | ChoiceUpdate]]:
-        """Every prompt's events, as they come, tagged with the prompt's index. Leaving early cancels the rest."""
+    def _events(self, work: Work) -> AsyncIterator[tuple[int, PromptLogprobs | ChoiceUpdate]]:
+        """Every prompt's events, as they come, tagged with the prompt's index. Leaving early cancels the rest.
+
+        Each prompt goes to Engine.generate now, not when the events are first read: its refusal (a 400 for a
+        prompt the memory budget could never hold) then comes before a streamed answer has sent its status."""
+        streams = [self.engine.generate(ids, work.params, param, work.max_param)
+                   for ids, param in zip(work.prompts, work.prompt_params, strict=True)]
         if work.params.max_tokens == 0 and not work.params.prompt_logprobs:
-            for p in range(len(work.prompts)):  # nothing to compute: no model call at all
-                for c in range(work.params.n):
-                    yield p, ChoiceUpdate(c, [], "", [], "length")
-            return
+            return self._no_model_call(work)  # the streams are never read, so nothing is queued
+        return self._merged(streams)
+
+    @staticmethod
+    async def _no_model_call(work: Work) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        for p in range(len(work.prompts)):  # nothing to compute: no model call at all
+            for c in range(work.params.n):
+                yield p, ChoiceUpdate(c, [], "", [], "length")
+
+    @staticmethod
+    async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, PromptLogprobs | ChoiceUpdate]]:
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
 
-        async def pump(p: int, ids: list[int]) -> None:
+        async def pump(p: int, stream: AsyncIterator) -> None:
             try:
-                async for event in self.engine.generate(ids, work.params):
+                async for event in stream:
                     queue.put_nowait((p, event))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((p, exc))
             finally:
                 queue.put_nowait((p, end))
 
-        tasks = [asyncio.create_task(pump(p, ids)) for p, ids in enumerate(work.prompts)]
+        tasks = [asyncio.create_task(pump(p, stream)) for p, stream in enumerate(streams)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -355,10 +374,11 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, work: Work) -> tuple[list[list[_ChoiceState]], list[list[PositionLogprobs | None]]]:
+    async def _collect(self, work: Work, events: AsyncIterator
+                       ) -> tuple[list[list[_ChoiceState]], list[list[PositionLogprobs | None]]]:
         states = [[_ChoiceState() for _ in range(work.params.n)] for _ in work.prompts]
         prompt_logprobs: list[list] = [[None] * len(ids) for ids in work.prompts]
-        async for p, event in self._events(work):
+        async for p, event in events:
             if isinstance(event, PromptLogprobs):
                 prompt_logprobs[p] = event.positions
                 continue

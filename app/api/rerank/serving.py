@@ -7,13 +7,14 @@ import math
 from dataclasses import dataclass
 
 from app.api.common import softmax_over, usage
+from app.api.front import Front
+from app.api.inputs import check_list_size
 from app.api.judge.label_requests import RequestLabels, logprobs_mode_of, request_labels
 from app.api.judge.label_scores import label_scores
 from app.api.rerank.formats import RerankPrompts
 from app.api.rerank.protocol import RerankScoringFields
 from app.api.rerank.windows import DocumentPieces, LongDocumentPolicy, document_pieces
 from app.engine.core import Engine
-from app.engine.inputs import check_list_size
 from app.engine.work import ScoreQuery
 from app.errors import InvalidRequestError
 from sampler import SamplingParams
@@ -68,8 +69,8 @@ def _pieces(prompts: RerankPrompts, job: RerankJob, limit: int, max_windows: int
     return head, tail, documents
 
 
-async def _two_labels(engine: Engine, spec) -> RequestLabels:
-    labels = await request_labels(engine, spec, logprobs_mode_of(engine, "raw_logprobs"), False)
+async def _two_labels(front: Front, spec) -> RequestLabels:
+    labels = await request_labels(front, spec, logprobs_mode_of(front.engine, "raw_logprobs"), False)
     if len(labels.bound.label_set.labels) != 2:
         raise InvalidRequestError("a rerank label set has exactly two labels: relevant first, then not relevant",
                                   "labels")
@@ -80,13 +81,14 @@ def _aggregate(values: list[float], how: str) -> float:
     return max(values) if how == "max" else math.fsum(values) / len(values)
 
 
-async def rank(engine: Engine, prompts: RerankPrompts, job: RerankJob) -> tuple[list[DocumentScore], dict]:
+async def rank(front: Front, prompts: RerankPrompts, job: RerankJob) -> tuple[list[DocumentScore], dict]:
     """Every document's score, best first (equal scores keep the input order), and the usage."""
-    engine.checks.model(job.model)
+    front.checks.model(job.model)
+    engine = front.engine
     check_texts(job, engine)
-    labels = await _two_labels(engine, job.fields.labels) if job.fields.labels is not None else None
-    head, tail, documents = await engine.on_tokenizer_thread(
-        _pieces, prompts, job, engine.max_prompt_tokens, engine.settings.max_rerank_windows)
+    labels = await _two_labels(front, job.fields.labels) if job.fields.labels is not None else None
+    head, tail, documents = await front.on_tokenizer_thread(
+        _pieces, prompts, job, front.max_prompt_tokens, engine.settings.max_rerank_windows)
     token_ids = [head + piece + tail for document in documents for piece in document.pieces]
     if labels is None:
         yes_no = SamplingParams(label_token_ids=(prompts.yes_id, prompts.no_id))

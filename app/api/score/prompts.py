@@ -1,11 +1,11 @@
 """Scoring requests rendered as token ids: prompts from a query and items, candidates and label SamplingParams, every
-input checked on the way (call it on the engine's tokenizer thread: it tokenizes)."""
+input checked on the way (call it on the API layer's tokenizer thread, Front.on_tokenizer_thread: it tokenizes)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.engine.inputs import InputChecks, check_list_size
+from app.api.inputs import InputChecks, check_list_size
 from app.engine.work import prompt_param
 from app.errors import InvalidRequestError
 from sampler import LogprobsMode, SamplingParams

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from app.api.common import finite, softmax_over, usage
+from app.api.front import Front
 from app.api.judge.label_requests import label_fields, logprobs_mode_of, request_labels
 from app.api.judge.label_scores import label_scores
 from app.api.score.prompts import ScorePrompts
@@ -19,10 +20,10 @@ from app.errors import InvalidRequestError
 from sampler import SamplingParams
 
 
-def score_query(engine: Engine, request: ScoreRequest, candidates: list[tuple[int, ...]] | None = None) -> ScoreQuery:
+def score_query(front: Front, request: ScoreRequest, candidates: list[tuple[int, ...]] | None = None) -> ScoreQuery:
     """The request as the engine's token ids, every input checked; `candidates` (a label set's forms as token ids)
-    stand in for the request's own. Tokenizes: runs on the engine's tokenizer thread."""
-    render = ScorePrompts(engine.loaded.tokenizer, engine.checks)
+    stand in for the request's own. Tokenizes: runs on the front's tokenizer thread."""
+    render = ScorePrompts(front.engine.loaded.tokenizer, front.checks)
     candidates = request.candidates if candidates is None else candidates
     params = render.sampling_params(
         request.label_token_ids, candidates, request.top_logprobs, request.logprobs_mode, request.logit_bias,
@@ -34,26 +35,27 @@ def score_query(engine: Engine, request: ScoreRequest, candidates: list[tuple[in
     return ScoreQuery(prompts, params, render.candidates(candidates, prompts, param), param)
 
 
-async def score(engine: Engine, request: ScoreRequest) -> dict:
+async def score(front: Front, request: ScoreRequest) -> dict:
     """The /score response body of one request."""
     if request.labels is not None:
-        return await score_labels(engine, request)
+        return await score_labels(front, request)
     if request.calibrated:
         raise InvalidRequestError("calibrated applies to a named label set (`labels`)", "calibrated")
-    engine.checks.model(request.model)
-    query = await engine.on_tokenizer_thread(score_query, engine, request)
-    return score_body(engine, request.apply_softmax, await engine.score(query))
+    front.checks.model(request.model)
+    query = await front.on_tokenizer_thread(score_query, front, request)
+    return score_body(front.engine, request.apply_softmax, await front.engine.score(query))
 
 
-async def score_labels(engine: Engine, request: ScoreRequest) -> dict:
+async def score_labels(front: Front, request: ScoreRequest) -> dict:
     """A label-set request: every surface form scored as a candidate, then combined per label."""
     for other in ("label_token_ids", "candidates"):
         if getattr(request, other) is not None:
             raise InvalidRequestError(f"give labels or {other}, not both", other)
-    engine.checks.model(request.model)
+    front.checks.model(request.model)
+    engine = front.engine
     mode = logprobs_mode_of(engine, request.logprobs_mode)
-    labels = await request_labels(engine, request.labels, mode, request.calibrated)
-    query = await engine.on_tokenizer_thread(score_query, engine, request, list(labels.bound.candidates))
+    labels = await request_labels(front, request.labels, mode, request.calibrated)
+    query = await front.on_tokenizer_thread(score_query, front, request, list(labels.bound.candidates))
     result = await engine.score(query)
     data = [{"index": i, **label_fields(labels, label_scores(labels.bound, o.candidate_values))}
             for i, o in enumerate(result.outcomes)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from app.api.common import FastJSONResponse, loaded_engine
+from app.api.common import FastJSONResponse, loaded_front
 from app.api.errors import ROUTE_ERRORS
 from app.api.openai.protocol import (
     DetokenizeRequest,
@@ -29,14 +29,14 @@ _LOCAL_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "i
 async def tokenizer_serving(request: Request) -> OpenAIServing:
     """The OpenAI serving logic (chat rendering, the tokenizer) once the model is loaded; the engine's loop need
     not be alive, since these routes never reach the device."""
-    return openai_serving(request, await loaded_engine(request))
+    return openai_serving(request, await loaded_front(request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ROUTE_ERRORS, response_class=FastJSONResponse)
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    serving: OpenAIServing = Depends(tokenizer_serving)):
     serving.checks.model(request.model)
-    return FastJSONResponse(await serving.engine.on_tokenizer_thread(_tokenized, serving, request))
+    return FastJSONResponse(await serving.front.on_tokenizer_thread(_tokenized, serving, request))
 
 
 def _tokenized(serving: OpenAIServing, request: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
@@ -61,7 +61,7 @@ def _tokenized(serving: OpenAIServing, request: TokenizeCompletionRequest | Toke
 async def detokenize(request: DetokenizeRequest, serving: OpenAIServing = Depends(tokenizer_serving)):
     serving.checks.model(request.model)
     serving.checks.token_ids(request.tokens, "tokens")
-    text = await serving.engine.on_tokenizer_thread(serving.loaded.tokenizer.decode, request.tokens)
+    text = await serving.front.on_tokenizer_thread(serving.loaded.tokenizer.decode, request.tokens)
     return FastJSONResponse({"prompt": text})
 
 
