@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--before", default=None, metavar="REF",
                    help="also run genscore at this older commit (checked out under .cache/bench/before-SHORTSHA), "
                         "its systems named '... (before SHORTSHA)', with after ÷ before ratios in the report")
+    p.add_argument("--before-first", action="store_true",
+                   help="run the --before code's cells before today's (default: after them)")
     return p.parse_args(argv)
 
 
@@ -131,9 +133,12 @@ def run_worker(kind: str, spec: dict, tmp: Path, before: before_code.BeforeTree 
     return json.loads(out_path.read_text())
 
 
-def code_trees(before: before_code.BeforeTree | None) -> list[tuple[before_code.BeforeTree | None, str]]:
-    """Today's genscore (no suffix), then the --before one: each with the suffix of its systems' names."""
-    return [(None, "")] + ([(before, before.suffix)] if before else [])
+def code_trees(before: before_code.BeforeTree | None, before_first: bool = False
+               ) -> list[tuple[before_code.BeforeTree | None, str]]:
+    """Today's genscore (no suffix) and the --before one, each with the suffix of its systems' names; today's first
+    unless `before_first` (a second run in the other order tells drift over the run from a difference in code)."""
+    trees = [(None, "")] + ([(before, before.suffix)] if before else [])
+    return trees[::-1] if before_first else trees
 
 
 def worker_workloads(workloads: dict) -> dict:
@@ -239,7 +244,7 @@ def run_generation(args, tokenizer, dtypes: list[str], systems: set[str],
     model_dir = model_dir_for_peers(args.model, args.cache_dir)
     for dtype in dtypes:
         short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
-        for tree, suffix in code_trees(before) if "genscore" in systems else ():
+        for tree, suffix in code_trees(before, args.before_first) if "genscore" in systems else ():
             name = f"genscore HTTP {short}{suffix}"
             log(f"{name}, generation")
             tag = f"-before-{tree.short}" if tree else ""
@@ -396,7 +401,7 @@ def main(argv=None) -> int:
             genscore_settings = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
             genscore_settings["batch_invariant"] = invariant
             genscore_settings["compile"] = compiled
-            for tree, suffix in code_trees(before):
+            for tree, suffix in code_trees(before, args.before_first):
                 if "inprocess" in systems and not invariant:  # the in-process engine is measured the default way
                     log(f"genscore Engine in-process ({dtype}{flags}){suffix}")
                     spec = dict(base_spec, dtype=dtype, levels=levels, settings=genscore_settings)
