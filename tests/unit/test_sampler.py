@@ -20,6 +20,7 @@ from sampler import (
     snapshot,
     to_rows,
 )
+from sampler.sampling import inverse_cdf
 
 NEG_INF = float("-inf")
 MODES = list(LogprobsMode)
@@ -447,6 +448,30 @@ def test_sampling_follows_the_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert freq[3] == 0
     assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_inverse_cdf_edges_never_pick_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4)
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    # u = 0 takes the first positive token; u just under 1 the last positive one, never a zero after it
+    u = torch.tensor([0.0, 0.2499, 0.25, below_one.item()], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
+    # a total that rounds: many tiny probabilities in float32, the last token at zero
+    tiny = torch.full((1, 49152), 1e-3)
+    tiny[0, -1] = 0.0
+    assert inverse_cdf(tiny, below_one.view(1)).item() == 49150
+
+
+@pytest.mark.parametrize("vocab,block", [(7, 4), (64, 8), (1000, 256), (50257, 256)])
+def test_inverse_cdf_in_blocks_equals_one_running_sum(vocab, block):
+    gen = _gen(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 4, dim=-1)
+    probs[:, ::3] = 0.0
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    u[:2] = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    running = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [64, V]
+    expected = torch.searchsorted(running, (u * running[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert torch.equal(inverse_cdf(probs, u, block), expected)
 
 
 @given(batch_st(), st.integers(0, 2**31 - 1))
