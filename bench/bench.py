@@ -296,12 +296,17 @@ def only_generation(args, dtypes: list[str], systems: set[str], before) -> int:
         dtypes.remove("bfloat16")
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_facts(),
                "loadavg_start": os.getloadavg(), "commits": commits(before)}
+    start_peaks = {dtype: gemm_gflops(dtype) for dtype in dtypes}
     results["generation"] = run_generation(args, tokenizer, dtypes, systems, before)
     results["loadavg_end"] = os.getloadavg()
+    # the best of start and end, as the full run states it: the machine's rate drifts over a run
+    results["gemm_gflops"] = {dtype: max(first, gemm_gflops(dtype)) for dtype, first in start_peaks.items()}
+    peaks = ", ".join(f"{dtype} {gflops:.0f} GFLOP/s" for dtype, gflops in results["gemm_gflops"].items())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generation.json").write_text(json.dumps(results))
     text = "\n".join([f"# Generation cell ({results['machine']['cpu']}, {results['machine']['cores']} cores, load "
-                      f"{results['loadavg_start'][0]:.1f} at the start)", "",
+                      f"{results['loadavg_start'][0]:.1f} at the start, {results['loadavg_end'][0]:.1f} at the end; "
+                      f"2048³ GEMM peak measured in the run, best of start and end: {peaks})", "",
                       *generation_cell.markdown(results["generation"])])
     (args.out / "generation.md").write_text(text)
     print(text)
