@@ -72,7 +72,8 @@ def main() -> None:
         calls[category(op)] += count
     accounted = sum(by_category.values())
 
-    print(f"{args.model}, {args.dtype}{', compiled layers' if loaded.plan.compiled else ''}, {args.batch} `short` prompts ({tokens} tokens), layout {plan.layout}, "
+    compiled = ", compiled layers" if plan.compiled else ""
+    print(f"{args.model}, {args.dtype}{compiled}, {args.batch} `short` prompts ({tokens} tokens), layout {plan.layout}, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads; one forward {wall * 1e3:.1f} ms "
           f"({args.batch / wall:.1f} prompts/s), mean of {args.repeats}\n")
     print("| part | ms a forward | share | op calls a forward |")

@@ -177,9 +177,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="`short` requests per HTTP pass")
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/bench/weights"))
     args = parser.parse_args()
+    from bench.memory import cpu_name
+
     if args.http:
         levels = [int(c) for c in args.concurrency.split(",")]
-        print(f"CPU: {_cpu_name()}; torch {torch.__version__}; {args.dtype}; `short` over HTTP, {args.requests} "
+        print(f"CPU: {cpu_name()}; torch {torch.__version__}; {args.dtype}; `short` over HTTP, {args.requests} "
               f"requests, fastest of 2 passes; R servers pinned to 1/R of the cores each, one round-robin client\n")
         print("| servers | " + " | ".join(f"prompts/s c={c}" for c in levels) + " |")
         print("| --- |" + " ---: |" * len(levels))
@@ -187,7 +189,7 @@ def main() -> None:
             out = run_http(replicas, args, levels)
             print(f"| {replicas} | " + " | ".join(f"{out[c]:.1f}" for c in levels) + " |", flush=True)
         return
-    print(f"CPU: {_cpu_name()}; torch {torch.__version__}; {args.dtype}; scoring rounds of {args.batch} `short` "
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}; {args.dtype}; scoring rounds of {args.batch} `short` "
           f"prompts, decoding {args.rows} rows ({args.steps} steps after a prefill), both split over the replicas\n")
     print("| processes × threads (+ callers each) | scoring prompts/s | s per scoring call | decode tokens/s (with prefill) |"
           " s per decode round |")
@@ -198,13 +200,6 @@ def main() -> None:
         out = run_layout(replicas, threads, int(shared or 1), args)
         (score, score_s), (decode, decode_s) = out["score_once"], out["decode_round"]
         print(f"| {layout} | {score:.1f} | {score_s:.3f} | {decode:.1f} | {decode_s:.2f} |", flush=True)
-
-
-def _cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
