@@ -21,7 +21,7 @@ CATEGORIES = {
                "genscore::prepacked_linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                   "aten::_scaled_dot_product_attention_math", "genscore::packed_attention",
-                  "genscore::segment_attention"),
+                  "genscore::segment_attention", "genscore_cpu::varlen_attention"),
     "element-wise": ("aten::mul", "aten::add", "aten::add_", "aten::sub", "aten::neg", "aten::rsqrt", "aten::pow",
                      "aten::mean", "aten::silu", "aten::cat", "aten::copy_", "aten::_to_copy", "aten::to",
                      "aten::div", "aten::cos", "aten::sin", "aten::exp", "aten::clone", "aten::contiguous",

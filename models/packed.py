@@ -12,6 +12,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from models.attention_cpu import CPU_VARLEN, segment_attention_cpu
+
 # The attention implementation genscore installs: SDPA, plus a per-prompt path when a call is packed.
 PACKED_ATTENTION = "genscore_packed_sdpa"
 # Keyword of a packed call over past states (models/prefix.py): for each segment, the [start, end) of the past
@@ -228,17 +230,21 @@ def segment_attention(
     """The one packed-attention op of a layer: causal attention inside each segment of a packed row, [1, T, H, D].
 
     One op, several implementations, the same numbers: `kernel` names one the load-time self-check proved for the
-    model (models/attention_cuda.py on a GPU); any call it cannot honour, and LOOP, run one SDPA call per segment.
+    model (models/attention_cuda.py on a GPU, models/attention_cpu.py on a CPU); any call it cannot honour, and
+    LOOP, run one SDPA call per segment.
     query [1, H, T, D]; key, value [1, H_kv, T, D]; attention_mask None or the row's [1, 1, T, T]; cu_seqlens the
     boundaries on the device, bounds the same on the host; window the layer's sliding window, if any.
     """
-    if kernel != LOOP:
+    out = None
+    if kernel == CPU_VARLEN:
+        out = segment_attention_cpu(query, key, value, attention_mask, cu_seqlens, max_length, scaling, window)
+    elif kernel != LOOP:
         from models.attention_cuda import segment_attention_fast
 
         out = segment_attention_fast(kernel, query, key, value, attention_mask, cu_seqlens, max_length,
                                      key_value_groups, scaling, window)
-        if out is not None:
-            return out
+    if out is not None:
+        return out
     layer = _AttentionLayer(key_value_groups)
     parts = []
     for a, b in zip(bounds[:-1], bounds[1:]):

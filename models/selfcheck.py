@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models import cuda_graphs
+from models.attention_cpu import CPU_VARLEN, MAX_SEGMENT, build_error, model_cpu_varlen_refusal
 from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, runs_varlen_on
 from models.body import find_body, returned_cache
 from models.cache_reuse import stateful_layers
@@ -51,6 +52,8 @@ NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suf
 SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # Why packed attention keeps its per-segment loop on a batch-invariant model.
 VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
+CPU_VARLEN_WHEN_INVARIANT = (f"batch-invariant: the CPU kernel serves rows of segments up to {MAX_SEGMENT} tokens, "
+                             "so a prompt's path would depend on its batchmates")
 GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boundaries a graph would fix at capture"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
@@ -70,7 +73,7 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
+             CPU_VARLEN_WHEN_INVARIANT, GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
 # Lengths of the neighbours the invariance check batches the probe sequences with.
 _NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
 
@@ -189,18 +192,27 @@ def _layout(checker: _Checker) -> None:
         checker.attempt("padded_batches", replace(checker.plan, layout="padded"), checker.forward_error)
 
 
-def _varlen(checker: _Checker, batch_invariant: bool) -> None:
-    """Packed attention through one flash-attention call per layer (models/attention_cuda.py) instead of one SDPA call
-    per segment, where the model runs packed on a device the kernel serves; kept only if the scoring forward with it
-    agrees with the plain one. Not reported where the device has no such kernel (CPU)."""
+def _varlen(checker: _Checker, batch_invariant: bool, cache_dir: Path | None) -> None:
+    """Packed attention through one kernel call per layer instead of one SDPA call per segment, where the model runs
+    packed: flash attention's varlen kernel on CUDA (models/attention_cuda.py), genscore's own kernel on CPU
+    (models/attention_cpu.py, built here or loaded from cache_dir); kept only if the scoring forward with it agrees
+    with the plain one."""
     model, plan = checker.model, checker.plan
-    if plan.layout != "packed" or not runs_varlen_on(model.device):
+    if plan.layout != "packed":
         return
-    reason = VARLEN_WHEN_INVARIANT if batch_invariant else model_varlen_refusal(model)
+    if runs_varlen_on(model.device):
+        kernel = VARLEN
+        reason = VARLEN_WHEN_INVARIANT if batch_invariant else model_varlen_refusal(model)
+    elif model.device.type == "cpu":
+        kernel = CPU_VARLEN
+        reason = CPU_VARLEN_WHEN_INVARIANT if batch_invariant else (
+            model_cpu_varlen_refusal(model) or build_error(cache_dir))
+    else:
+        return
     if reason is not None:
         checker.record(PathCheck(VARLEN_PATH, False, None, reason))
         return
-    checker.attempt(VARLEN_PATH, replace(plan, attention_kernel=VARLEN), checker.forward_error)
+    checker.attempt(VARLEN_PATH, replace(plan, attention_kernel=kernel), checker.forward_error)
 
 
 def _prefix_reuse(checker: _Checker, batch_invariant: bool) -> None:
@@ -434,7 +446,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
     on the probe sequences batched with others; a path that still moves a row is switched off.
     compile: compile the decoder layers for packed calls (models/compiled.py; CPU, not with batch_invariant),
-    keeping inductor's cache under cache_dir (None: inductor's default).
+    keeping inductor's cache and the CPU attention kernel's build under cache_dir (None: their defaults).
     """
     started = time.perf_counter()
     tolerance = TOLERANCE.get(model.dtype, 0.1)
@@ -457,7 +469,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     _guarded(checker, "prepacked_linears", _prepacked, batch_invariant)
     original_attention = model.config._attn_implementation
     _guarded(checker, "packed_batches", _layout)
-    _guarded(checker, VARLEN_PATH, _varlen, batch_invariant)
+    _guarded(checker, VARLEN_PATH, _varlen, batch_invariant, cache_dir)
     _guarded(checker, GRAPHS_PATH, _cuda_graphs, batch_invariant)
     checker.record(_compile_check(checker, compile, cache_dir, batch_invariant))
     _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)

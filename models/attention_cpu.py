@@ -1,0 +1,112 @@
+"""The CPU implementation of the packed-attention op: one call per layer over the whole packed row, causal inside each
+segment (models/csrc/varlen_attention.cpp), compiled just in time for this machine and cached; it refuses what it
+cannot honour."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("genscore.models")
+
+CPU_VARLEN = "cpu_varlen"  # the kernel name a ForwardPlan's attention_kernel and a PackedRow carry
+SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.cpp"
+# Where the built kernel is kept, under the cache directory: the next start loads it without compiling.
+EXTENSIONS = "extensions"
+_DTYPES = (torch.float32, torch.bfloat16)
+_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dimensions the source instantiates
+# Rows whose longest segment is longer run the per-segment loop: there SDPA's flash kernel, which blocks queries
+# and keys for its GEMMs, is faster than this kernel's blocks of four queries (docs/users/performance.md).
+MAX_SEGMENT = 384
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's threads
+
+_lock = threading.Lock()
+_built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded)
+
+
+def _cpu_key() -> str:
+    """What a build depends on besides its source: the CPU's instruction set (-march=native) and torch's ABI."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(f"{flags}|{torch.__version__}|{platform.machine()}".encode()).hexdigest()[:12]
+
+
+def build_error(cache_dir: Path | None) -> str | None:
+    """Compile (or load from `cache_dir`) the kernel once per process; None when it is ready, else why not.
+
+    A machine without a C++ compiler, or a build that fails, leaves the per-segment loop in place: the self-check
+    reports the reason and the model loads as before."""
+    with _lock:
+        if "error" in _built:
+            return _built["error"]
+        try:
+            from torch.utils.cpp_extension import load
+
+            name = f"genscore_varlen_{_cpu_key()}"
+            build_dir = None
+            if cache_dir is not None:
+                build_dir = Path(cache_dir) / EXTENSIONS / name
+                build_dir.mkdir(parents=True, exist_ok=True)
+            log.info("building the CPU attention kernel %s (cached after the first start)", name)
+            load(name=name, sources=[str(SOURCE)], extra_cflags=list(_FLAGS), is_python_module=False,
+                 build_directory=None if build_dir is None else str(build_dir), verbose=False)
+            error = None if hasattr(torch.ops.genscore_cpu, "varlen_attention") else "the built library has no op"
+        except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the loop stays
+            error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {str(exc)[:300]}"
+        _built["error"] = error
+        if error is not None:
+            log.warning("%s; packed attention runs one SDPA call per segment", error)
+        return error
+
+
+def cpu_varlen_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the CPU kernel cannot run a model on `device` in `dtype` (None: it can, subject to building it and the
+    self-check)."""
+    if device.type != "cpu":
+        return "the CPU attention kernel runs on CPU only"
+    if dtype not in _DTYPES:
+        return f"the CPU attention kernel does not compute in {dtype}"
+    if head_dim not in _HEAD_DIMS:
+        return f"the CPU attention kernel is not built for a head dimension of {head_dim}"
+    return None
+
+
+def segment_attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, max_length: int, scaling: float | None, window: int | None,
+) -> torch.Tensor | None:
+    """models/packed.py segment_attention through the CPU kernel: [1, T, H, D], or None where it does not serve the
+    call (a row with a segment over MAX_SEGMENT, a mask that is not a sliding window, an unbuilt kernel).
+
+    query [1, H, T, D]; key, value [1, H_kv, T, D]; cu_seqlens [n + 1] int32 on the CPU. Like the CUDA kernel it
+    reads no mask: causal attention inside each segment, within the layer's sliding window where it has one.
+    """
+    if _built.get("error", "not built") is not None or max_length > MAX_SEGMENT or query.device.type != "cpu":
+        return None
+    if attention_mask is not None and window is None:
+        return None
+    if query.dtype not in _DTYPES or query.shape[-1] not in _HEAD_DIMS:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.genscore_cpu.varlen_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [T, H_kv, D] x2
+        cu_seqlens, scale, 0 if window is None else window)  # [T, H, D]
+    return out[None]  # [1, T, H, D]
+
+
+def model_cpu_varlen_refusal(model) -> str | None:
+    """cpu_varlen_refusal for a loaded model: its device, its dtype and its attention head dimension."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return cpu_varlen_refusal(model.device, model.dtype, head_dim)

@@ -1,0 +1,178 @@
+"""The CPU implementation of the packed-attention op (models/attention_cpu.py, built just in time): the same numbers
+as one SDPA call per segment, in one call per layer; what it refuses; and the self-check that switches it off when
+it disagrees or cannot be built."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoModelForCausalLM
+
+import models.attention_cpu as attention_cpu
+import models.packed as packed
+from models.attention_cuda import VARLEN_PATH
+from models.forward import forward_logits
+from models.packed import LOOP, use_packed_attention
+from models.selfcheck import install_fast_paths, plain_plan
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel, built once for the module (a machine without a compiler skips these tests, as it serves the loop)."""
+    error = attention_cpu.build_error(None)
+    if error is not None:
+        pytest.skip(error)
+    return torch.ops.genscore_cpu.varlen_attention
+
+
+def _reference(q, k, v, bounds, window, scale=None):
+    """One SDPA call per segment in float64: q [T, H, D], k, v [T, H_kv, D] -> [T, H, D]."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1).double() for t in (q, k, v))  # [H, L, D]
+        length = b - a
+        i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+        sees = j <= i if window is None else (j <= i) & (j > i - window)
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sees, scale=scale,
+                                               enable_gqa=True).transpose(0, 1)
+    return out
+
+
+LENGTHS = (1, 5, 16, 17, 40, 63, 64, 65, 130, 3)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("window", [None, 7], ids=["causal", "sliding"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_the_kernel_is_per_segment_attention_in_float32(kernel, head_dim, window, kv_heads):
+    bounds = [0]
+    for length in LENGTHS:
+        bounds.append(bounds[-1] + length)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(bounds[-1], 4, head_dim, generator=generator) * 2  # [T, H, D]
+    k = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator) * 2
+    v = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator)
+    got = kernel(q, k, v, torch.tensor(bounds, dtype=torch.int32), head_dim ** -0.5, window or 0)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _reference(q, k, v, bounds, window), atol=1e-5, rtol=0)
+
+
+def test_the_kernel_reads_strided_layouts_and_bfloat16(kernel):
+    """The layer's own layout (tokens, then heads, strided) and bfloat16, within bfloat16's rounding of the output."""
+    bounds = [0, 30, 31, 95]
+    q = torch.randn(1, bounds[-1], 6, 32).transpose(1, 2)[0].transpose(0, 1)  # [T, H, D], strided as in a layer
+    k = torch.randn(bounds[-1], 2, 32)
+    v = torch.randn(bounds[-1], 2, 32)
+    got = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(bounds), 0.2, 0)
+    expected = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), bounds, None, 0.2)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+
+
+def test_a_segment_gives_the_same_bits_whatever_its_neighbours(kernel):
+    """Each query reads only its own segment's keys, in an order fixed by its own position."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(50, 4, 16, generator=generator) for _ in range(3))
+    alone = kernel(q[10:50], k[10:50], v[10:50], torch.tensor([0, 40]), 0.25, 0)
+    batched = kernel(q, k, v, torch.tensor([0, 10, 50]), 0.25, 0)
+    assert torch.equal(alone, batched[10:50])
+
+
+def test_what_the_kernel_does_not_serve_runs_the_loop(kernel):
+    q = torch.randn(1, 4, 6, 16)
+    kv = torch.randn(1, 2, 6, 16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, 4, None, None) is not None
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, None) is None  # a mask it cannot read
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, 8) is not None  # a sliding window
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, attention_cpu.MAX_SEGMENT + 1, None, None) is None
+    assert attention_cpu.segment_attention_cpu(q.half(), kv.half(), kv.half(), None, cu, 4, None, None) is None
+    assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float32, 48) is not None
+    assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float16, 64) is not None
+    assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.bfloat16, 64) is None
+
+
+def _model(window: int | None, layers: int = 2):
+    body = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=300, num_hidden_layers=layers, max_position_embeddings=256)
+    config = transformers.MistralConfig(**body, sliding_window=window) if window else transformers.LlamaConfig(**body)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # attention patterns that matter: a dropped window or a wrong segment shows
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(4.0)
+    return model
+
+
+def _prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (5, 23, 40, 1, 17)]
+
+
+def _plain(model, prompts):
+    with torch.inference_mode():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
+def test_the_kernel_gives_the_plain_forward_in_one_call_per_layer(kernel, window, monkeypatch):
+    model = _model(window, layers=3)
+    prompts = _prompts()
+    assert use_packed_attention(model)
+    plan = replace(plain_plan(model), layout="packed", attention_kernel=attention_cpu.CPU_VARLEN)
+    ran = []  # per layer: whether the kernel served the call (it returns None where the loop runs)
+
+    def spy(*args):
+        out = attention_cpu.segment_attention_cpu(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(packed, "segment_attention_cpu", spy)
+    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), _plain(model, prompts), atol=1e-4, rtol=0)
+    assert ran == [True] * 3
+
+
+def _verdict(plan):
+    return next(check for check in plan.checks if check.name == VARLEN_PATH)
+
+
+def test_the_self_check_turns_the_kernel_on(kernel):
+    plan = install_fast_paths(_model(8), 300, 64, 0)
+    assert plan.attention_kernel == attention_cpu.CPU_VARLEN and _verdict(plan).enabled
+    assert _verdict(plan).difference < 1e-4
+
+
+def test_a_kernel_that_disagrees_is_switched_off(kernel, monkeypatch):
+    """Break the kernel on purpose (it drops the sliding window): the self-check measures it and keeps the loop."""
+    real = attention_cpu.segment_attention_cpu
+
+    def drops_the_window(query, key, value, attention_mask, cu_seqlens, max_length, scaling, window):
+        return real(query, key, value, None, cu_seqlens, max_length, scaling, None)
+
+    monkeypatch.setattr(packed, "segment_attention_cpu", drops_the_window)
+    model = _model(8)
+    prompts = _prompts()
+    plan = install_fast_paths(model, 300, 64, 0)
+    assert not _verdict(plan).enabled and _verdict(plan).difference > 1e-2
+    assert plan.attention_kernel == LOOP and plan.layout == "packed"
+    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), _plain(model, prompts), atol=1e-4, rtol=0)
+
+
+def test_a_machine_that_cannot_build_it_keeps_the_loop(monkeypatch):
+    monkeypatch.setattr(attention_cpu, "_built", {"error": "the CPU attention kernel could not be built: no g++"})
+    plan = install_fast_paths(_model(None), 300, 64, 0)
+    assert not _verdict(plan).enabled and "no g++" in _verdict(plan).reason
+    assert plan.attention_kernel == LOOP and plan.layout == "packed"
+
+
+def test_the_kernel_is_not_used_under_batch_invariance(kernel):
+    plan = install_fast_paths(_model(None), 300, 64, 0, batch_invariant=True)
+    assert not _verdict(plan).enabled and "batch-invariant" in _verdict(plan).reason
+    assert plan.attention_kernel == LOOP
