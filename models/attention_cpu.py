@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 from pathlib import Path
@@ -29,17 +30,27 @@ _lock = threading.Lock()
 _built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded)
 
 
-def _cpu_key() -> str:
-    """What a build depends on besides its source: the CPU's instruction set (-march=native) and torch's ABI."""
+def _build_name() -> str:
+    """The build's name: a hash of everything it depends on, its source, its flags, the CPU's instruction set
+    (-march=native) and torch's version (the ABI), so a cached build is only ever loaded where it was made for."""
     flags = ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    return hashlib.sha256(f"{flags}|{torch.__version__}|{platform.machine()}".encode()).hexdigest()[:12]
+    key = f"{SOURCE.read_text()}|{_FLAGS}|{flags}|{torch.__version__}|{platform.machine()}"
+    return f"genscore_varlen_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH: the one the `ninja` package installed, wherever this Python runs from
+    (a venv's interpreter called by its path does not put the venv's bin on PATH)."""
+    try:
+        import ninja
+    except ImportError:
+        return  # a ninja on PATH may still serve; without one the build fails and says so
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def build_error(cache_dir: Path | None) -> str | None:
@@ -51,16 +62,20 @@ def build_error(cache_dir: Path | None) -> str | None:
         if "error" in _built:
             return _built["error"]
         try:
-            from torch.utils.cpp_extension import load
+            name = _build_name()
+            build_dir = Path(cache_dir) / EXTENSIONS / name if cache_dir is not None else None
+            built = None if build_dir is None else build_dir / f"{name}.so"
+            if built is not None and built.exists():
+                torch.ops.load_library(str(built))  # the name says it is this source for this CPU: no build check
+            else:
+                from torch.utils.cpp_extension import load
 
-            name = f"genscore_varlen_{_cpu_key()}"
-            build_dir = None
-            if cache_dir is not None:
-                build_dir = Path(cache_dir) / EXTENSIONS / name
-                build_dir.mkdir(parents=True, exist_ok=True)
-            log.info("building the CPU attention kernel %s (cached after the first start)", name)
-            load(name=name, sources=[str(SOURCE)], extra_cflags=list(_FLAGS), is_python_module=False,
-                 build_directory=None if build_dir is None else str(build_dir), verbose=False)
+                _put_ninja_on_path()
+                if build_dir is not None:
+                    build_dir.mkdir(parents=True, exist_ok=True)
+                log.info("building the CPU attention kernel %s (cached after the first start)", name)
+                load(name=name, sources=[str(SOURCE)], extra_cflags=list(_FLAGS), is_python_module=False,
+                     build_directory=None if build_dir is None else str(build_dir), verbose=False)
             error = None if hasattr(torch.ops.genscore_cpu, "varlen_attention") else "the built library has no op"
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the loop stays
             error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {str(exc)[:300]}"
