@@ -24,6 +24,8 @@ _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dimensions the source in
 # Rows whose longest segment is longer run the per-segment loop: there SDPA's flash kernel, which blocks queries
 # and keys for its GEMMs, is faster than this kernel's blocks of four queries (docs/users/performance.md).
 MAX_SEGMENT = 384
+# The same bound for segments that read a span of other keys first: the keys a query reads, its span's and its own.
+MAX_SPANNED_KEYS = 768
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's threads
 
 _lock = threading.Lock()
@@ -116,7 +118,29 @@ def segment_attention_cpu(
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.ops.genscore_cpu.varlen_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [T, H_kv, D] x2
-        cu_seqlens, scale, 0 if window is None else window)  # [T, H, D]
+        cu_seqlens, None, scale, 0 if window is None else window)  # [T, H, D]
+    return out[None]  # [1, T, H, D]
+
+
+def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          scaling: float | None) -> torch.Tensor | None:
+    """Segments that read a span of other keys (a shared prefix's) in full before their own keys causally, in one
+    kernel call: [1, T, H, D], or None where the kernel does not serve the call (unbuilt, a segment or span too long).
+
+    query [1, H, T, D]; key, value [1, H_kv, past + T, D] (the row's own keys last); row a models/packed.py PackedRow
+    whose mask the caller built as exactly that (own_mask), its spans indexing the key rows.
+    """
+    if _built.get("error", "not built") is not None or query.device.type != "cpu" or row.spans is None:
+        return None
+    if query.dtype not in _DTYPES or query.shape[-1] not in _HEAD_DIMS:
+        return None
+    if row.max_length + max((e - s for s, e in row.spans), default=0) > MAX_SPANNED_KEYS:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    spans = torch.tensor(row.spans, dtype=torch.long).reshape(-1, 2)  # [n, 2]
+    out = torch.ops.genscore_cpu.varlen_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [past + T, H_kv, D]
+        row.cu_seqlens, spans, scale, 0)  # [T, H, D]
     return out[None]  # [1, T, H, D]
 
 

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from models.attention_cpu import CPU_VARLEN, segment_attention_cpu
+from models.attention_cpu import CPU_VARLEN, segment_attention_cpu, spanned_attention_cpu
 
 # The attention implementation genscore installs: SDPA, plus a per-prompt path when a call is packed.
 PACKED_ATTENTION = "genscore_packed_sdpa"
@@ -195,6 +195,11 @@ def packed_sdpa_attention(
 
         return cascade_attention(row, query, key, value, groups, kwargs.get("scaling"), kwargs.get("sliding_window"),
                                  kwargs.get("dropout")), None
+    if row.kernel == CPU_VARLEN and row.own_mask and row.spans is not None and kwargs.get("sliding_window") is None:
+        # the caller's mask says exactly "its span, then its own tokens causally": the CPU kernel reads both in place
+        out = spanned_attention_cpu(row, query, key, value, kwargs.get("scaling"))
+        if out is not None:
+            return out, None
     if row.key_index is not None:
         # the caller's mask says exactly "its span, then its own tokens causally": a kernel over gathered keys
         from models.attention_cuda import spanned_attention_fast

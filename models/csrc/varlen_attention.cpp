@@ -1,5 +1,5 @@
 // genscore's CPU packed-attention kernel: causal attention inside each segment of a packed row, every segment and
-// head of a layer in one call. Built just in time by models/attention_cpu.py, for the machine it runs on.
+// head of a layer in one call; a segment may also read a span of other keys in full first (a shared prefix's). Built just in time by models/attention_cpu.py, for the machine it runs on.
 //
 // Numbers: scores, softmax and the weighted sum of values are computed in float32 whatever the input dtype (as
 // SDPA's CPU flash kernel does), each query's over exactly the keys it sees, so a query's result depends only on
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -30,36 +31,58 @@ inline vec load(const float* p) {
 
 inline void store(float* p, const vec& v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 
-// Queries [begin, end) of one segment and one query head. keys_t [D, stride]: the head's keys transposed, the
-// segment's first key at column 0, zeros past the row's last; values [., D] likewise. q and out point at the
-// segment's first token of that head. window: a query sees itself and the window - 1 keys before it (0: all).
+// Queries [begin, end) of one segment and one query head. Its own keys: keys_t [D, stride], the head's keys
+// transposed, the segment's first key at column 0, zeros past the last row; values [., D] likewise. Its span (keys it
+// reads in full before its own, span_length of them, none when 0): span_keys_t and span_values, laid out the same.
+// q and out point at the segment's first token of that head. window: a query sees itself and the window - 1 own
+// keys before it (0: all; never with a span).
 template <typename T, int64_t D>
-void attend(const T* q, int64_t q_step, const float* keys_t, int64_t stride, const float* values, T* out,
-            int64_t out_step, int64_t begin, int64_t end, float scale, int64_t window, std::vector<float>& scores) {
-  const int64_t width = (end + kLanes - 1) / kLanes * kLanes;  // score columns, whole blocks
+void attend(const T* q, int64_t q_step, const float* keys_t, const float* values, const float* span_keys_t,
+            const float* span_values, int64_t span_length, int64_t stride, T* out, int64_t out_step, int64_t begin,
+            int64_t end, float scale, int64_t window, std::vector<float>& scores) {
+  const int64_t span_width = (span_length + kLanes - 1) / kLanes * kLanes;  // score columns, whole blocks
+  const int64_t width = span_width + (end + kLanes - 1) / kLanes * kLanes;
   scores.resize(kRows * width);
-  float* s = scores.data();
   float query[kRows][D];
+  // scores [r, offset + j) = Q K^T for keys [from, to) of keys_t, one block of kLanes keys at a time
+  auto score = [&](const float* kt, int64_t from, int64_t to, int64_t offset) {
+    for (int64_t jb = from; jb < to; jb += kLanes) {
+      vec acc[kRows] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vec k = load(kt + d * stride + jb);
+        for (int64_t r = 0; r < kRows; ++r) acc[r] += query[r][d] * k;
+      }
+      for (int64_t r = 0; r < kRows; ++r) store(scores.data() + r * width + offset + jb, acc[r]);
+    }
+  };
+  vec acc[kRows][D / kLanes];
+  // acc += P V for keys [from, to) of values, their weights at scores [r, offset + j)
+  auto weigh = [&](const float* vs, int64_t from, int64_t to, int64_t offset) {
+    for (int64_t j = from; j < to; ++j) {
+      vec v[D / kLanes];
+      __builtin_memcpy(v, vs + j * D, sizeof(v));
+      for (int64_t r = 0; r < kRows; ++r) {
+        const float p = scores[r * width + offset + j];
+        for (int64_t c = 0; c < D / kLanes; ++c) acc[r][c] += p * v[c];
+      }
+    }
+  };
   for (int64_t i0 = begin; i0 < end; i0 += kRows) {
     const int64_t rows = std::min(kRows, end - i0);
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t d = 0; d < D; ++d)
         query[r][d] = r < rows ? static_cast<float>(q[(i0 + r) * q_step + d]) * scale : 0.f;
-    // keys [first, last) cover every row of the block; first starts a whole block
+    // own keys [first, last) cover every row of the block; first starts a whole block
     const int64_t last = i0 + rows;
     const int64_t first = window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kLanes * kLanes : 0;
-    for (int64_t jb = first; jb < last; jb += kLanes) {  // scores = Q K^T, one block of keys at a time
-      vec acc[kRows] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const vec k = load(keys_t + d * stride + jb);
-        for (int64_t r = 0; r < kRows; ++r) acc[r] += query[r][d] * k;
-      }
-      for (int64_t r = 0; r < kRows; ++r) store(s + r * width + jb, acc[r]);
-    }
+    score(span_keys_t, 0, span_length, 0);
+    score(keys_t, first, last, span_width);
     float inverse[kRows] = {};
     for (int64_t r = 0; r < kRows; ++r) {  // softmax over the keys each row sees; weight 0 for the rest
-      float* row = s + r * width;
+      float* span_row = scores.data() + r * width;
+      float* row = span_row + span_width;
       if (r >= rows) {
+        std::fill(span_row, span_row + span_length, 0.f);
         std::fill(row + first, row + last, 0.f);
         continue;
       }
@@ -67,7 +90,12 @@ void attend(const T* q, int64_t q_step, const float* keys_t, int64_t stride, con
       const int64_t lo = window > 0 ? std::max<int64_t>(0, own - window + 1) : 0;
       float top = row[lo];
       for (int64_t j = lo + 1; j <= own; ++j) top = std::max(top, row[j]);
+      for (int64_t j = 0; j < span_length; ++j) top = std::max(top, span_row[j]);
       float total = 0.f;
+      for (int64_t j = 0; j < span_length; ++j) {
+        span_row[j] = std::exp(span_row[j] - top);
+        total += span_row[j];
+      }
       for (int64_t j = lo; j <= own; ++j) {
         row[j] = std::exp(row[j] - top);
         total += row[j];
@@ -76,15 +104,10 @@ void attend(const T* q, int64_t q_step, const float* keys_t, int64_t stride, con
       std::fill(row + own + 1, row + last, 0.f);
       inverse[r] = 1.f / total;
     }
-    vec acc[kRows][D / kLanes] = {};  // out = P V
-    for (int64_t j = first; j < last; ++j) {
-      vec v[D / kLanes];
-      __builtin_memcpy(v, values + j * D, sizeof(v));
-      for (int64_t r = 0; r < kRows; ++r) {
-        const float p = s[r * width + j];
-        for (int64_t c = 0; c < D / kLanes; ++c) acc[r][c] += p * v[c];
-      }
-    }
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < D / kLanes; ++c) acc[r][c] = vec{};
+    weigh(span_values, 0, span_length, 0);
+    weigh(values, first, last, span_width);
     for (int64_t r = 0; r < rows; ++r) {
       T* o = out + (i0 + r) * out_step;
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d / kLanes][d % kLanes] * inverse[r]);
@@ -94,24 +117,25 @@ void attend(const T* q, int64_t q_step, const float* keys_t, int64_t stride, con
 
 template <typename T, int64_t D>
 void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
-                const int64_t* bounds, int64_t segments, float scale, int64_t window) {
+                const int64_t* bounds, const int64_t* spans, int64_t segments, float scale, int64_t window) {
   const int64_t tokens = query.size(0), heads = query.size(1), kv_heads = key.size(1), group = heads / kv_heads;
+  const int64_t keys = key.size(0), past = keys - tokens;  // own keys of the row follow `past` earlier ones
   const T* q = query.data_ptr<T>();
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  // Keys transposed and values, in float32, once per call: [H_kv, D, stride] and [H_kv, T, D]. A block of keys
-  // may read past the row's last key: those columns are zeros.
-  const int64_t stride = tokens + kLanes;
-  std::vector<float> keys_t(kv_heads * D * stride, 0.f), values(kv_heads * tokens * D);
-  at::parallel_for(0, kv_heads * tokens, 256, [&](int64_t first, int64_t last) {
+  // Keys transposed and values, in float32, once per call: [H_kv, D, stride] and [H_kv, keys, D]. A block of keys
+  // may read past the last key: those columns are zeros.
+  const int64_t stride = keys + kLanes;
+  std::vector<float> keys_t(kv_heads * D * stride, 0.f), values(kv_heads * keys * D);
+  at::parallel_for(0, kv_heads * keys, 256, [&](int64_t first, int64_t last) {
     for (int64_t x = first; x < last; ++x) {
-      const int64_t h = x / tokens, t = x % tokens;
+      const int64_t h = x / keys, t = x % keys;
       const T* kx = k + t * key.stride(0) + h * key.stride(1);
       const T* vx = v + t * value.stride(0) + h * value.stride(1);
       for (int64_t d = 0; d < D; ++d) {
         keys_t[(h * D + d) * stride + t] = static_cast<float>(kx[d]);
-        values[(h * tokens + t) * D + d] = static_cast<float>(vx[d]);
+        values[(h * keys + t) * D + d] = static_cast<float>(vx[d]);
       }
     }
   });
@@ -126,20 +150,27 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       const auto [seg, begin] = chunks[item / heads];
       const int64_t h = item % heads, kv = h / group, start = bounds[seg];
       const int64_t end = std::min(begin + kChunk, bounds[seg + 1] - start);
+      const int64_t span_start = spans ? spans[2 * seg] : 0, span_length = spans ? spans[2 * seg + 1] - span_start : 0;
+      const float* head_keys_t = keys_t.data() + kv * D * stride;
+      const float* head_values = values.data() + kv * keys * D;
       attend<T, D>(q + start * query.stride(0) + h * query.stride(1), query.stride(0),
-                   keys_t.data() + kv * D * stride + start, stride, values.data() + (kv * tokens + start) * D,
-                   o + start * out.stride(0) + h * out.stride(1), out.stride(0), begin, end, scale, window, scores);
+                   head_keys_t + past + start, head_values + (past + start) * D, head_keys_t + span_start,
+                   head_values + span_start * D, span_length, stride, o + start * out.stride(0) + h * out.stride(1),
+                   out.stride(0), begin, end, scale, window, scores);
     }
   });
 }
 
-// query [T, H, D], key and value [T, H_kv, D] with the head dim contiguous, cu_seqlens [n + 1] int32 or int64
-// boundaries of the segments; returns [T, H, D].
+// query [T, H, D]; key and value [past + T, H_kv, D], the row's own keys last; all with the head dim contiguous.
+// cu_seqlens [n + 1]: the segments' boundaries in the row. spans (optional) [n, 2]: per segment, the [start, end)
+// of the key rows it reads in full before its own (empty: none). Returns [T, H, D].
 at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& cu_seqlens, double scale, int64_t window) {
+                            const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& spans, double scale,
+                            int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key, value must be [T, heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "the head dim must be contiguous");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(2) == query.size(2), "key and value must match the query");
+  TORCH_CHECK(key.size(0) >= query.size(0), "the row's own keys must be the last key rows");
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of key/value heads");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "query, key and value must share a dtype");
@@ -147,17 +178,28 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
   const int64_t* b = bounds.data_ptr<int64_t>();
   const int64_t segments = bounds.numel() - 1;
   TORCH_CHECK(segments >= 0 && b[0] == 0 && b[segments] == query.size(0), "cu_seqlens must span the row");
+  at::Tensor span_bounds;
+  const int64_t* sp = nullptr;
+  if (spans.has_value()) {
+    span_bounds = spans->to(at::kLong).contiguous();
+    TORCH_CHECK(span_bounds.numel() == 2 * segments, "spans must be [segments, 2]");
+    TORCH_CHECK(window == 0, "a sliding window with spans is not built");
+    sp = span_bounds.data_ptr<int64_t>();
+    for (int64_t seg = 0; seg < segments; ++seg)
+      TORCH_CHECK(0 <= sp[2 * seg] && sp[2 * seg] <= sp[2 * seg + 1] && sp[2 * seg + 1] <= key.size(0),
+                  "a span must lie within the key rows");
+  }
   auto out = at::empty(query.sizes(), query.options());
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "varlen_attention", [&] {
     switch (query.size(2)) {
-      case 16: attend_all<scalar_t, 16>(query, key, value, out, b, segments, s, window); break;
-      case 32: attend_all<scalar_t, 32>(query, key, value, out, b, segments, s, window); break;
-      case 64: attend_all<scalar_t, 64>(query, key, value, out, b, segments, s, window); break;
-      case 80: attend_all<scalar_t, 80>(query, key, value, out, b, segments, s, window); break;
-      case 96: attend_all<scalar_t, 96>(query, key, value, out, b, segments, s, window); break;
-      case 128: attend_all<scalar_t, 128>(query, key, value, out, b, segments, s, window); break;
-      case 256: attend_all<scalar_t, 256>(query, key, value, out, b, segments, s, window); break;
+      case 16: attend_all<scalar_t, 16>(query, key, value, out, b, sp, segments, s, window); break;
+      case 32: attend_all<scalar_t, 32>(query, key, value, out, b, sp, segments, s, window); break;
+      case 64: attend_all<scalar_t, 64>(query, key, value, out, b, sp, segments, s, window); break;
+      case 80: attend_all<scalar_t, 80>(query, key, value, out, b, sp, segments, s, window); break;
+      case 96: attend_all<scalar_t, 96>(query, key, value, out, b, sp, segments, s, window); break;
+      case 128: attend_all<scalar_t, 128>(query, key, value, out, b, sp, segments, s, window); break;
+      case 256: attend_all<scalar_t, 256>(query, key, value, out, b, sp, segments, s, window); break;
       default: TORCH_CHECK(false, "no build for a head dimension of ", query.size(2));
     }
   });
@@ -167,7 +209,9 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
 }  // namespace
 
 TORCH_LIBRARY(genscore_cpu, m) {
-  m.def("varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, float scale, int window) -> Tensor");
+  m.def(
+      "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, Tensor? spans, float scale, "
+      "int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }

@@ -58,7 +58,7 @@ def test_the_kernel_is_per_segment_attention_in_float32(kernel, head_dim, window
     q = torch.randn(bounds[-1], 4, head_dim, generator=generator) * 2  # [T, H, D]
     k = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator) * 2
     v = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator)
-    got = kernel(q, k, v, torch.tensor(bounds, dtype=torch.int32), head_dim ** -0.5, window or 0)
+    got = kernel(q, k, v, torch.tensor(bounds, dtype=torch.int32), None, head_dim ** -0.5, window or 0)
     assert got.shape == q.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _reference(q, k, v, bounds, window), atol=1e-5, rtol=0)
 
@@ -69,7 +69,7 @@ def test_the_kernel_reads_strided_layouts_and_bfloat16(kernel):
     q = torch.randn(1, bounds[-1], 6, 32).transpose(1, 2)[0].transpose(0, 1)  # [T, H, D], strided as in a layer
     k = torch.randn(bounds[-1], 2, 32)
     v = torch.randn(bounds[-1], 2, 32)
-    got = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(bounds), 0.2, 0)
+    got = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(bounds), None, 0.2, 0)
     expected = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), bounds, None, 0.2)
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
@@ -78,8 +78,8 @@ def test_a_segment_gives_the_same_bits_whatever_its_neighbours(kernel):
     """Each query reads only its own segment's keys, in an order fixed by its own position."""
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(50, 4, 16, generator=generator) for _ in range(3))
-    alone = kernel(q[10:50], k[10:50], v[10:50], torch.tensor([0, 40]), 0.25, 0)
-    batched = kernel(q, k, v, torch.tensor([0, 10, 50]), 0.25, 0)
+    alone = kernel(q[10:50], k[10:50], v[10:50], torch.tensor([0, 40]), None, 0.25, 0)
+    batched = kernel(q, k, v, torch.tensor([0, 10, 50]), None, 0.25, 0)
     assert torch.equal(alone, batched[10:50])
 
 
@@ -176,3 +176,71 @@ def test_the_kernel_is_not_used_under_batch_invariance(kernel):
     plan = install_fast_paths(_model(None), 300, 64, 0, batch_invariant=True)
     assert not _verdict(plan).enabled and "batch-invariant" in _verdict(plan).reason
     assert plan.attention_kernel == LOOP
+
+
+def test_spans_read_in_full_before_the_own_keys(kernel):
+    """A segment reading a span of key rows (a shared prefix's, anywhere among the keys) then its own keys causally:
+    the kernel against SDPA over those keys, aligned to the end (bottom-right causal)."""
+    generator = torch.Generator().manual_seed(4)
+    past, bounds, spans = 20, [0, 6, 6, 23], [[3, 20], [0, 0], [0, 9]]  # the middle segment is empty
+    q = torch.randn(bounds[-1], 4, 16, generator=generator) * 2
+    k = torch.randn(past + bounds[-1], 2, 16, generator=generator) * 2
+    v = torch.randn(past + bounds[-1], 2, 16, generator=generator)
+    got = kernel(q, k, v, torch.tensor(bounds), torch.tensor(spans), 0.25, 0)
+    for (a, b), (s, e) in zip(zip(bounds[:-1], bounds[1:]), spans):
+        if a == b:
+            continue
+        keys = torch.cat([k[s:e], k[past + a:past + b]]).transpose(0, 1).double()  # [H_kv, span + L, D]
+        values = torch.cat([v[s:e], v[past + a:past + b]]).transpose(0, 1).double()
+        length, width = b - a, e - s + b - a
+        sees = torch.arange(width)[None] <= torch.arange(length)[:, None] + (e - s)
+        expected = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).double(), keys, values, attn_mask=sees,
+                                                  scale=0.25, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got[a:b].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_the_kernel_over_shared_prefixes_gives_the_plain_forward(kernel, monkeypatch):
+    """Suffixes over a prefix's states, and prefixes run with their suffixes in one call, through the kernel: each
+    suffix's last positions as in a plain pass of prefix + suffix."""
+    from models.head import head_logits
+    from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, prefill_with_suffixes
+
+    model = _model(None)
+    generator = torch.Generator().manual_seed(2)
+    prefixes = [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (12, 30)]
+    rows = [(0, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((5, 2), (9, 1))]
+    rows += [(1, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((3, 4), (17, 3))]
+    with torch.inference_mode():
+        expected = torch.cat([model(torch.tensor([prefixes[p] + s])).logits[0, len(prefixes[p]) + len(s) - k:]
+                              for p, s, k in rows])
+    assert use_packed_attention(model)
+    plan = replace(plain_plan(model), layout="packed", prefix_reuse="key_values", packed_suffixes=True,
+                   attention_kernel=attention_cpu.CPU_VARLEN)
+    ran = []
+
+    def spy(*args):
+        out = attention_cpu.spanned_attention_cpu(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(packed, "spanned_attention_cpu", spy)
+    _, hidden = prefill_with_suffixes(model, plan, prefixes, rows, 0)
+    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
+    states = prefill_prefixes(model, plan, prefixes, 0)
+    hidden = forward_suffixes(model, plan, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], 0)
+    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
+    assert ran and all(ran), "every spanned call ran the kernel"
+
+
+def test_a_spanned_kernel_that_disagrees_switches_packed_suffixes_off(kernel, monkeypatch):
+    """Break the spanned calls on purpose (the span dropped): the self-check's packed-suffix check catches it."""
+    real = attention_cpu.spanned_attention_cpu
+
+    def drops_the_span(row, query, key, value, scaling):
+        return real(replace(row, spans=tuple((s, s) for s, _ in row.spans)), query, key, value, scaling)
+
+    monkeypatch.setattr(packed, "spanned_attention_cpu", drops_the_span)
+    plan = install_fast_paths(_model(None), 300, 64, 0)
+    assert plan.attention_kernel == attention_cpu.CPU_VARLEN
+    verdict = next(check for check in plan.checks if check.name == "packed_suffixes")
+    assert not verdict.enabled and not plan.packed_suffixes
