@@ -16,6 +16,9 @@ from pydantic_settings import CliApp, CliSettingsSource
 from app.logs import configure_logging
 from app.settings import Settings
 
+# How long a thread holds the GIL before one waiting for it may take it (serve sets it, below).
+SWITCH_INTERVAL_S = 0.0005
+
 USAGE = "usage: genscore {serve,warm-cache,run-batch,calibrate} [--help] [--FLAG VALUE ...]"
 COMMANDS = """commands:
   serve        serve a model over HTTP (genscore serve --help lists the flags)
@@ -32,6 +35,11 @@ def serve(settings: Settings) -> int:
     After a signal, uvicorn re-raises it once shutdown is complete: a drained server ends as killed by that
     signal (143 for SIGTERM), except as PID 1 in a container, which ignores it and returns here (exit 0).
     """
+    # The device thread runs Python between kernels and must take the GIL back from the event loop each time; a
+    # waiting thread asks for it only after the switch interval (5 ms by default), so with many requests in flight
+    # the forward stalls. A shorter interval measured faster at 32 concurrent requests (docs/users/performance.md).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
     from app.main import create_app
     from app.server import DrainingServer
     from models import ModelNotFoundError
