@@ -9,15 +9,20 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
-from transformers import AutoModelForCausalLM
 
 import models.attention_cpu as attention_cpu
 import models.packed as packed
 from models.attention_cuda import VARLEN_PATH
 from models.forward import forward_logits
-from models.packed import LOOP, use_packed_attention
-from models.selfcheck import install_fast_paths, plain_plan
+from models.packed import LOOP
+from models.selfcheck import install_fast_paths
+from tests.unit.packed_attention_cases import (
+    assert_shared_prefixes_give_the_plain_forward,
+    attention_model,
+    packed_plan,
+    plain_last_logits,
+    sample_prompts,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -98,35 +103,11 @@ def test_what_the_kernel_does_not_serve_runs_the_loop(kernel):
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.bfloat16, 64) is None
 
 
-def _model(window: int | None, layers: int = 2):
-    body = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                vocab_size=300, num_hidden_layers=layers, max_position_embeddings=256)
-    config = transformers.MistralConfig(**body, sliding_window=window) if window else transformers.LlamaConfig(**body)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    with torch.no_grad():  # attention patterns that matter: a dropped window or a wrong segment shows
-        for name, weight in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                weight.mul_(4.0)
-    return model
-
-
-def _prompts():
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (5, 23, 40, 1, 17)]
-
-
-def _plain(model, prompts):
-    with torch.inference_mode():
-        return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
-
-
 @pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
 def test_the_kernel_gives_the_plain_forward_in_one_call_per_layer(kernel, window, monkeypatch):
-    model = _model(window, layers=3)
-    prompts = _prompts()
-    assert use_packed_attention(model)
-    plan = replace(plain_plan(model), layout="packed", attention_kernel=attention_cpu.CPU_VARLEN)
+    model = attention_model(window, layers=3)
+    prompts = sample_prompts()
+    plan = packed_plan(model, attention_cpu.CPU_VARLEN)
     ran = []  # per layer: whether the kernel served the call (it returns None where the loop runs)
 
     def spy(*args):
@@ -135,7 +116,7 @@ def test_the_kernel_gives_the_plain_forward_in_one_call_per_layer(kernel, window
         return out
 
     monkeypatch.setattr(packed, "segment_attention_cpu", spy)
-    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), _plain(model, prompts), atol=1e-4, rtol=0)
+    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), plain_last_logits(model, prompts), atol=1e-4, rtol=0)
     assert ran == [True] * 3
 
 
@@ -144,7 +125,7 @@ def _verdict(plan):
 
 
 def test_the_self_check_turns_the_kernel_on(kernel):
-    plan = install_fast_paths(_model(8), 300, 64, 0)
+    plan = install_fast_paths(attention_model(8), 300, 64, 0)
     assert plan.attention_kernel == attention_cpu.CPU_VARLEN and _verdict(plan).enabled
     assert _verdict(plan).difference < 1e-4
 
@@ -157,23 +138,23 @@ def test_a_kernel_that_disagrees_is_switched_off(kernel, monkeypatch):
         return real(query, key, value, None, cu_seqlens, max_length, scaling, None)
 
     monkeypatch.setattr(packed, "segment_attention_cpu", drops_the_window)
-    model = _model(8)
-    prompts = _prompts()
+    model = attention_model(8)
+    prompts = sample_prompts()
     plan = install_fast_paths(model, 300, 64, 0)
     assert not _verdict(plan).enabled and _verdict(plan).difference > 1e-2
     assert plan.attention_kernel == LOOP and plan.layout == "packed"
-    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), _plain(model, prompts), atol=1e-4, rtol=0)
+    torch.testing.assert_close(forward_logits(model, plan, prompts, 0), plain_last_logits(model, prompts), atol=1e-4, rtol=0)
 
 
 def test_a_machine_that_cannot_build_it_keeps_the_loop(monkeypatch):
     monkeypatch.setattr(attention_cpu, "_built", {"error": "the CPU attention kernel could not be built: no g++"})
-    plan = install_fast_paths(_model(None), 300, 64, 0)
+    plan = install_fast_paths(attention_model(None), 300, 64, 0)
     assert not _verdict(plan).enabled and "no g++" in _verdict(plan).reason
     assert plan.attention_kernel == LOOP and plan.layout == "packed"
 
 
 def test_the_kernel_is_not_used_under_batch_invariance(kernel):
-    plan = install_fast_paths(_model(None), 300, 64, 0, batch_invariant=True)
+    plan = install_fast_paths(attention_model(None), 300, 64, 0, batch_invariant=True)
     assert not _verdict(plan).enabled and "batch-invariant" in _verdict(plan).reason
     assert plan.attention_kernel == LOOP
 
@@ -200,22 +181,7 @@ def test_spans_read_in_full_before_the_own_keys(kernel):
 
 
 def test_the_kernel_over_shared_prefixes_gives_the_plain_forward(kernel, monkeypatch):
-    """Suffixes over a prefix's states, and prefixes run with their suffixes in one call, through the kernel: each
-    suffix's last positions as in a plain pass of prefix + suffix."""
-    from models.head import head_logits
-    from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, prefill_with_suffixes
-
-    model = _model(None)
-    generator = torch.Generator().manual_seed(2)
-    prefixes = [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (12, 30)]
-    rows = [(0, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((5, 2), (9, 1))]
-    rows += [(1, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((3, 4), (17, 3))]
-    with torch.inference_mode():
-        expected = torch.cat([model(torch.tensor([prefixes[p] + s])).logits[0, len(prefixes[p]) + len(s) - k:]
-                              for p, s, k in rows])
-    assert use_packed_attention(model)
-    plan = replace(plain_plan(model), layout="packed", prefix_reuse="key_values", packed_suffixes=True,
-                   attention_kernel=attention_cpu.CPU_VARLEN)
+    """Packed suffixes through the kernel, their spans read in place, give the plain forward's numbers."""
     ran = []
 
     def spy(*args):
@@ -224,11 +190,8 @@ def test_the_kernel_over_shared_prefixes_gives_the_plain_forward(kernel, monkeyp
         return out
 
     monkeypatch.setattr(packed, "spanned_attention_cpu", spy)
-    _, hidden = prefill_with_suffixes(model, plan, prefixes, rows, 0)
-    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
-    states = prefill_prefixes(model, plan, prefixes, 0)
-    hidden = forward_suffixes(model, plan, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], 0)
-    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
+    model = attention_model(None)
+    assert_shared_prefixes_give_the_plain_forward(model, packed_plan(model, attention_cpu.CPU_VARLEN))
     assert ran and all(ran), "every spanned call ran the kernel"
 
 
@@ -240,7 +203,7 @@ def test_a_spanned_kernel_that_disagrees_switches_packed_suffixes_off(kernel, mo
         return real(replace(row, spans=tuple((s, s) for s, _ in row.spans)), query, key, value, scaling)
 
     monkeypatch.setattr(packed, "spanned_attention_cpu", drops_the_span)
-    plan = install_fast_paths(_model(None), 300, 64, 0)
+    plan = install_fast_paths(attention_model(None), 300, 64, 0)
     assert plan.attention_kernel == attention_cpu.CPU_VARLEN
     verdict = next(check for check in plan.checks if check.name == "packed_suffixes")
     assert not verdict.enabled and not plan.packed_suffixes

@@ -4,19 +4,22 @@ the self-check that switches it off) gives the plain forward's numbers, or is sw
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-import transformers
-from transformers import AutoModelForCausalLM
 
 import models.attention_cuda as attention_cuda
 from models.attention_cpu import CPU_VARLEN
 from models.forward import forward_logits
 from models.op_count import OpCounter
-from models.packed import LOOP, use_packed_attention
-from models.selfcheck import install_fast_paths, plain_plan
+from models.packed import LOOP
+from models.selfcheck import install_fast_paths
+from tests.unit.packed_attention_cases import (
+    assert_shared_prefixes_give_the_plain_forward,
+    attention_model,
+    packed_plan,
+    plain_last_logits,
+    sample_prompts,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -59,37 +62,6 @@ def on_cpu(monkeypatch):
     return monkeypatch
 
 
-def _model(window: int | None, layers: int = 2):
-    body = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                vocab_size=300, num_hidden_layers=layers, max_position_embeddings=256)
-    config = transformers.MistralConfig(**body, sliding_window=window) if window else transformers.LlamaConfig(**body)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    with torch.no_grad():  # attention patterns that matter: a dropped window or a wrong segment shows
-        for name, weight in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                weight.mul_(4.0)
-    return model
-
-
-def _packed_plan(model, kernel: str = LOOP):
-    """The plan of packed calls (and packed suffixes over key/value prefixes) through `kernel`."""
-    assert use_packed_attention(model)
-    return replace(plain_plan(model), layout="packed", prefix_reuse="key_values", packed_suffixes=True,
-                   attention_kernel=kernel)
-
-
-def _prompts():
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (5, 23, 40, 1, 17)]
-
-
-def _plain(model, prompts):
-    with torch.inference_mode():
-        return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
-
-
-
 def _spy_on(monkeypatch, name: str) -> list[bool]:
     """Record, per call of attention_cuda.`name`, whether the kernel ran (it returns None where it refuses)."""
     calls = []
@@ -105,10 +77,10 @@ def _spy_on(monkeypatch, name: str) -> list[bool]:
 
 @pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
 def test_varlen_kernel_gives_the_plain_forward(on_cpu, window):
-    model = _model(window)
-    prompts = _prompts()
-    expected = _plain(model, prompts)
-    plan = _packed_plan(model, attention_cuda.VARLEN)
+    model = attention_model(window)
+    prompts = sample_prompts()
+    expected = plain_last_logits(model, prompts)
+    plan = packed_plan(model, attention_cuda.VARLEN)
     calls = _spy_on(on_cpu, "segment_attention_fast")
     got = forward_logits(model, plan, prompts, 0)
     assert calls and all(calls), "every layer ran the varlen kernel"
@@ -116,9 +88,9 @@ def test_varlen_kernel_gives_the_plain_forward(on_cpu, window):
 
 
 def test_varlen_makes_one_attention_op_per_layer_and_no_sync(on_cpu):
-    model = _model(8, layers=6)
-    plan = _packed_plan(model, attention_cuda.VARLEN)
-    prompts = _prompts() * 6
+    model = attention_model(8, layers=6)
+    plan = packed_plan(model, attention_cuda.VARLEN)
+    prompts = sample_prompts() * 6
     forward_logits(model, plan, prompts, 0)
     with OpCounter() as counter:
         forward_logits(model, plan, prompts, 0)
@@ -140,7 +112,7 @@ def _self_checked(model, batch_invariant: bool = False):
 
 
 def test_the_self_check_keeps_a_kernel_that_agrees(on_cpu):
-    plan = _self_checked(_model(8))
+    plan = _self_checked(attention_model(8))
     assert plan.attention_kernel == attention_cuda.VARLEN and plan.enabled(attention_cuda.VARLEN_PATH)
     assert plan.as_dict()["attention_kernel"] == attention_cuda.VARLEN
 
@@ -149,9 +121,9 @@ def test_a_kernel_that_drops_the_window_is_switched_off(on_cpu):
     """The self-check's verdict decides: a varlen kernel that ignores the window disagrees and the loop stays."""
     on_cpu.setattr(attention_cuda, "_varlen",
                    lambda: (lambda *a, **k: _flash_varlen(*a, **k, honour_window=False), PARAMS))
-    model = _model(8)
-    prompts = _prompts()
-    expected = _plain(model, prompts)
+    model = attention_model(8)
+    prompts = sample_prompts()
+    expected = plain_last_logits(model, prompts)
     plan = _self_checked(model)
     verdict = next(check for check in plan.checks if check.name == attention_cuda.VARLEN_PATH)
     assert not verdict.enabled and verdict.difference > 1e-2
@@ -160,7 +132,7 @@ def test_a_kernel_that_drops_the_window_is_switched_off(on_cpu):
 
 
 def test_varlen_is_refused_under_batch_invariance(on_cpu):
-    plan = _self_checked(_model(8), batch_invariant=True)
+    plan = _self_checked(attention_model(8), batch_invariant=True)
     verdict = next(check for check in plan.checks if check.name == attention_cuda.VARLEN_PATH)
     assert not verdict.enabled and verdict.difference is None and "batch-invariant" in verdict.reason
     assert plan.attention_kernel == LOOP
@@ -168,7 +140,7 @@ def test_varlen_is_refused_under_batch_invariance(on_cpu):
 
 def test_cpu_never_runs_the_cuda_kernel():
     """On CPU the one-call path is genscore's own kernel (tests/unit/test_cpu_varlen_attention.py), never varlen_attn."""
-    plan = _self_checked(_model(None))
+    plan = _self_checked(attention_model(None))
     assert plan.attention_kernel in (CPU_VARLEN, LOOP)
 
 
@@ -178,24 +150,8 @@ def test_varlen_is_refused_off_cuda_and_for_float32():
 
 
 def test_varlen_over_shared_prefixes_gives_the_plain_forward(on_cpu):
-    """Suffixes over a prefix's states, and prefixes run with their suffixes in one call, through the varlen kernel
-    over gathered keys: each suffix's last positions as in a plain pass of prefix + suffix."""
-    from models.head import head_logits
-    from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, prefill_with_suffixes
-
-    model = _model(None)
-    generator = torch.Generator().manual_seed(2)
-    prefixes = [torch.randint(1, 299, (n,), generator=generator).tolist() for n in (12, 30)]
-    rows = [(0, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((5, 2), (9, 1))]
-    rows += [(1, torch.randint(1, 299, (n,), generator=generator).tolist(), k) for n, k in ((3, 4), (17, 3))]
-    with torch.inference_mode():
-        expected = torch.cat([model(torch.tensor([prefixes[p] + s])).logits[0, len(prefixes[p]) + len(s) - k:]
-                              for p, s, k in rows])
-    plan = _packed_plan(model, attention_cuda.VARLEN)
+    """Packed suffixes through the varlen kernel over gathered keys give the plain forward's numbers."""
     calls = _spy_on(on_cpu, "spanned_attention_fast")
-    _, hidden = prefill_with_suffixes(model, plan, prefixes, rows, 0)
-    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
-    states = prefill_prefixes(model, plan, prefixes, 0)
-    hidden = forward_suffixes(model, plan, [SuffixRow(states[p], tuple(s), k) for p, s, k in rows], 0)
-    torch.testing.assert_close(head_logits(plan, hidden), expected, atol=1e-4, rtol=0)
+    model = attention_model(None)
+    assert_shared_prefixes_give_the_plain_forward(model, packed_plan(model, attention_cuda.VARLEN))
     assert calls and all(calls), "every spanned call ran the varlen kernel"
