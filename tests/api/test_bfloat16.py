@@ -78,8 +78,9 @@ def test_bfloat16_scores_match_the_plain_bfloat16_model(bf16):
     assert response.status_code == 200, response.text
     for item, entry in zip(ITEMS, response.json()["data"]):
         expected = torch.log_softmax(position_logits(plain, QUERY + item)[-1], -1)  # float32 of bf16 logits
-        # bf16 carries 8 bits of mantissa: kernels that sum in another order move logits by a few ulps
-        assert entry["label_logprobs"] == pytest.approx(expected[LABELS].tolist(), abs=3e-2)
+        # bf16 carries 8 bits of mantissa: kernels that sum in another order, or round once where the plain model
+        # rounds twice (the CPU attention kernel computes in float32), move logits by up to an ulp of their size
+        assert entry["label_logprobs"] == pytest.approx(expected[LABELS].tolist(), abs=3e-2, rel=2**-8)
         assert [t["token_id"] for t in entry["top_logprobs"]][:1] == expected.topk(1).indices.tolist()
 
 
