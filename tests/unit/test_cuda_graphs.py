@@ -16,7 +16,8 @@ from models.attention_cuda import VARLEN
 from models.cuda_graphs import GRAPHS_PATH, PackedGraphs, padded_lengths
 from models.forward import forward_logits
 from models.selfcheck import install_fast_paths
-from tests.unit.test_varlen_attention import _model, _packed_plan, on_cpu  # noqa: F401 - a fixture
+from tests.unit.packed_attention_cases import attention_model, packed_plan
+from tests.unit.test_varlen_attention import on_cpu  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.unit
 
@@ -57,8 +58,8 @@ def _sequences(lengths, seed=1):
 @pytest.mark.parametrize("window", [None, 8])
 def test_replayed_buckets_give_the_eager_packed_forward(on_cpu, monkeypatch, window):  # noqa: F811
     monkeypatch.setattr(cuda_graphs, "stand_in_graph", StandInGraph)
-    model = _model(window)
-    plan = _packed_plan(model, VARLEN)
+    model = attention_model(window)
+    plan = packed_plan(model, VARLEN)
     graphs = PackedGraphs(plan.body, VARLEN, model.device, bucket_tokens=(64, 128))
     assert [(b.tokens, b.segments) for b in graphs.buckets] == [(64, 8), (128, 16)]
     graphed = replace(plan, graphs=graphs)
@@ -85,7 +86,7 @@ def graphed_cpu(on_cpu, monkeypatch):  # noqa: F811
 
 
 def test_the_self_check_keeps_graphs_that_agree(graphed_cpu):
-    model = _model(None)
+    model = attention_model(None)
     plan = install_fast_paths(model, 300, 256, 0)
     assert plan.attention_kernel == VARLEN and plan.enabled(GRAPHS_PATH)
     assert plan.as_dict()["cuda_graph_buckets"] == [64, 128]
@@ -95,7 +96,7 @@ def test_the_self_check_keeps_graphs_that_agree(graphed_cpu):
 
 def test_the_self_check_switches_off_graphs_that_replay_wrong_numbers(graphed_cpu, caplog):
     graphed_cpu.setattr(cuda_graphs, "stand_in_graph", WrongGraph)
-    model = _model(None)
+    model = attention_model(None)
     with caplog.at_level(logging.WARNING, logger="genscore.models"):
         plan = install_fast_paths(model, 300, 256, 0)
     assert plan.attention_kernel == VARLEN and plan.graphs is None and not plan.enabled(GRAPHS_PATH)
@@ -104,5 +105,5 @@ def test_the_self_check_switches_off_graphs_that_replay_wrong_numbers(graphed_cp
 
 def test_the_loop_kernel_is_never_graphed(graphed_cpu):
     graphed_cpu.setattr("models.attention_cuda._DEVICE_TYPES", ())  # no varlen kernel on this device
-    plan = install_fast_paths(_model(None), 300, 256, 0)
+    plan = install_fast_paths(attention_model(None), 300, 256, 0)
     assert plan.graphs is None and not plan.enabled(GRAPHS_PATH)
