@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from models.attention_cuda import model_head_dim
+
 log = logging.getLogger("genscore.models")
 
 CPU_VARLEN = "cpu_varlen"  # the kernel name a ForwardPlan's attention_kernel and a PackedRow carry
@@ -35,7 +37,6 @@ _built: dict[str, str | None] = {}  # "error": why the kernel could not be built
 def _build_name() -> str:
     """The build's name: a hash of everything it depends on, its source, its flags, the CPU's instruction set
     (-march=native) and torch's version (the ABI), so a cached build is only ever loaded where it was made for."""
-    flags = ""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
@@ -99,6 +100,12 @@ def cpu_varlen_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return None
 
 
+def _serves(query: torch.Tensor) -> bool:
+    """Whether the built kernel takes this query [1, H, T, D]: on the CPU, in a dtype and head dimension it is built for."""
+    return (_built.get("error", "not built") is None and query.device.type == "cpu" and query.dtype in _DTYPES
+            and query.shape[-1] in _HEAD_DIMS)
+
+
 def segment_attention_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor, max_length: int, scaling: float | None, window: int | None,
@@ -109,11 +116,7 @@ def segment_attention_cpu(
     query [1, H, T, D]; key, value [1, H_kv, T, D]; cu_seqlens [n + 1] int32 on the CPU. Like the CUDA kernel it
     reads no mask: causal attention inside each segment, within the layer's sliding window where it has one.
     """
-    if _built.get("error", "not built") is not None or max_length > MAX_SEGMENT or query.device.type != "cpu":
-        return None
-    if attention_mask is not None and window is None:
-        return None
-    if query.dtype not in _DTYPES or query.shape[-1] not in _HEAD_DIMS:
+    if not _serves(query) or max_length > MAX_SEGMENT or (attention_mask is not None and window is None):
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.ops.genscore_cpu.varlen_attention(
@@ -130,9 +133,7 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
     query [1, H, T, D]; key, value [1, H_kv, past + T, D] (the row's own keys last); row a models/packed.py PackedRow
     whose mask the caller built as exactly that (own_mask), its spans indexing the key rows.
     """
-    if _built.get("error", "not built") is not None or query.device.type != "cpu" or row.spans is None:
-        return None
-    if query.dtype not in _DTYPES or query.shape[-1] not in _HEAD_DIMS:
+    if not _serves(query) or row.spans is None:
         return None
     if row.max_length + max((e - s for s, e in row.spans), default=0) > MAX_SPANNED_KEYS:
         return None
@@ -146,6 +147,4 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
 
 def model_cpu_varlen_refusal(model) -> str | None:
     """cpu_varlen_refusal for a loaded model: its device, its dtype and its attention head dimension."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return cpu_varlen_refusal(model.device, model.dtype, head_dim)
+    return cpu_varlen_refusal(model.device, model.dtype, model_head_dim(model))

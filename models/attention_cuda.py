@@ -109,11 +109,15 @@ def runs_varlen_on(device: torch.device) -> bool:
     return device.type in _DEVICE_TYPES
 
 
+def model_head_dim(model) -> int:
+    """A loaded model's attention head dimension, from its (text) config."""
+    config = model.config.get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def model_varlen_refusal(model) -> str | None:
     """varlen_refusal for a loaded model: its device, its dtype and its attention head dimension."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return varlen_refusal(model.device, model.dtype, head_dim)
+    return varlen_refusal(model.device, model.dtype, model_head_dim(model))
 
 
 def spanned_attention_fast(row, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_value_groups: int,
