@@ -61,6 +61,17 @@ COPY app ./app
 COPY sampler ./sampler
 COPY models ./models
 RUN --mount=type=bind,from=pip-host,target=/pip-host sh scripts/install.sh app
+# 5. the CPU attention kernel, built ahead for each x86-64 instruction set (AVX-512, AVX2, baseline) with a compiler
+# that only this stage has; the runtime stage copies the builds into its cache directory, where the server loads the
+# one for its CPU. Where apt-get cannot reach a Debian mirror, build with --build-arg BUILD_KERNELS=0: the image then
+# has none and serves packed attention with the per-segment loop (a WARNING at start says so).
+ARG BUILD_KERNELS=1
+# hadolint ignore=DL3008
+RUN mkdir -p /opt/genscore-kernels/extensions \
+    && if [ "${BUILD_KERNELS}" = 1 ]; then \
+        apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+        && genscore build-kernels --cache-dir /opt/genscore-kernels; \
+    fi
 
 # ---------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
@@ -77,6 +88,7 @@ RUN groupadd --system --gid "${GID}" genscore \
     && chown "${UID}:${GID}" /var/cache/genscore /var/cache/huggingface
 
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder --chown=${UID}:${GID} /opt/genscore-kernels/extensions /var/cache/genscore/extensions
 
 # GENSCORE_HOST/PORT are set here rather than as CLI flags so that the environment
 # (e.g. the Kubernetes ConfigMap) can still override them: CLI flags would win over it.

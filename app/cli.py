@@ -1,11 +1,12 @@
-"""The `genscore` command: `genscore serve`, `warm-cache`, `run-batch` and `calibrate`; every Settings field is a flag
-and a GENSCORE_* variable."""
+"""The `genscore` command: `genscore serve`, `warm-cache`, `build-kernels`, `run-batch` and `calibrate`; every
+Settings field is a flag and a GENSCORE_* variable."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,12 +20,14 @@ from app.settings import Settings
 # How long a thread holds the GIL before one waiting for it may take it (serve sets it, below).
 SWITCH_INTERVAL_S = 0.0005
 
-USAGE = "usage: genscore {serve,warm-cache,run-batch,calibrate} [--help] [--FLAG VALUE ...]"
+USAGE = "usage: genscore {serve,warm-cache,build-kernels,run-batch,calibrate} [--help] [--FLAG VALUE ...]"
 COMMANDS = """commands:
-  serve        serve a model over HTTP (genscore serve --help lists the flags)
-  warm-cache   convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit
-  run-batch    answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)
-  calibrate    fit a label set's calibration on labelled prompts, scored by a running server (genscore calibrate --help)"""
+  serve          serve a model over HTTP (genscore serve --help lists the flags)
+  warm-cache     convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit
+  build-kernels  build the CPU attention kernel for each instruction set into --cache-dir (needs a C++ compiler;
+                 an image's build stage runs it, so that the image needs none)
+  run-batch      answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)
+  calibrate      fit a label set's calibration on labelled prompts, scored by a running server (genscore calibrate --help)"""
 
 log = logging.getLogger("genscore")
 
@@ -117,6 +120,29 @@ def warm_cache(settings: Settings) -> int:
     return 0
 
 
+_BUILD_ONE = "import sys; from models.attention_cpu import build_main; sys.exit(build_main(sys.argv[1:]))"
+
+
+def build_kernels(settings: Settings) -> int:
+    """Build the CPU attention kernel ahead for each instruction set this machine's compiler targets, into
+    settings.cache_dir, where a server with that cache directory loads the one for its CPU; 0 when all are built."""
+    from models.attention_cpu import ahead_targets, built_library
+
+    configure_logging(settings.log_level, settings.log_format)
+    failed = []
+    for target in ahead_targets():
+        # A process per build: loading a build for an instruction set this CPU lacks may end the process that does.
+        subprocess.run([sys.executable, "-c", _BUILD_ONE, "--target", target, "--cache-dir", str(settings.cache_dir)],
+                       check=False)
+        library = built_library(target, settings.cache_dir)
+        if library.exists():
+            log.info("the CPU attention kernel for %s is built: %s", target, library)
+        else:
+            failed.append(target)
+            log.error("the CPU attention kernel for %s could not be built (see above)", target)
+    return 1 if failed else 0
+
+
 def _batch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="genscore run-batch", add_help=False,
@@ -184,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{COMMANDS}")
         return 0 if argv else 2
-    commands = {"serve": serve, "warm-cache": warm_cache}
+    commands = {"serve": serve, "warm-cache": warm_cache, "build-kernels": build_kernels}
     if argv[0] == "run-batch":
         return run_batch(argv[1:])
     if argv[0] == "calibrate":

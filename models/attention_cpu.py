@@ -1,9 +1,10 @@
 """The CPU implementation of the packed-attention op: one call per layer over the whole packed row, causal inside each
-segment (models/csrc/varlen_attention.cpp), compiled just in time for this machine and cached; it refuses what it
-cannot honour."""
+segment (models/csrc/varlen_attention.cpp), built for the machine's instruction set (just in time, or ahead by
+`genscore build-kernels`) and cached; it refuses what it cannot honour."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from models.attention_cuda import model_head_dim
+from models.cpu_features import cpu_capability
 
 log = logging.getLogger("genscore.models")
 
@@ -24,25 +26,40 @@ EXTENSIONS = "extensions"
 _DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dimensions the source instantiates
 # Rows whose longest segment is longer run the per-segment loop: there SDPA's flash kernel, which blocks queries
-# and keys for its GEMMs, is faster than this kernel's blocks of four queries (docs/users/performance.md).
-MAX_SEGMENT = 384
+# and keys for its GEMMs, is faster than this kernel's blocks of four queries; where that is depends on the vector
+# width of the build (docs/users/performance.md).
+MAX_SEGMENT = {"avx512": 384, "avx2": 128, "generic": 128}
 # The same bound for segments that read a span of other keys first: the keys a query reads, its span's and its own.
-MAX_SPANNED_KEYS = 768
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's threads
+MAX_SPANNED_KEYS = {target: 2 * tokens for target, tokens in MAX_SEGMENT.items()}
+_FLAGS = ("-O3", "-ffast-math", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's threads
+# The instruction sets a build targets, named after ATen's vector capabilities: a build runs on every CPU that has its
+# set, not only the one that made it, so an image can carry the builds made ahead on its build machine.
+TARGETS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    "avx2": ("-mavx2", "-mfma"),
+    "generic": (),  # the compiler's baseline for the machine (SSE2 on x86-64), or another architecture's
+}
 
 _lock = threading.Lock()
-_built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded)
+_built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded); "target"
 
 
-def _build_name() -> str:
-    """The build's name: a hash of everything it depends on, its source, its flags, the CPU's instruction set
-    (-march=native) and torch's version (the ABI), so a cached build is only ever loaded where it was made for."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    key = f"{SOURCE.read_text()}|{_FLAGS}|{flags}|{torch.__version__}|{platform.machine()}"
-    return f"genscore_varlen_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+def cpu_target() -> str:
+    """The build this process runs: the one for ATen's vector capability, so ATEN_CPU_CAPABILITY=avx2 (the suite's
+    weaker-CPU run) takes the AVX2 build on an AVX-512 machine too."""
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(cpu_capability(), "generic")
+
+
+def ahead_targets() -> tuple[str, ...]:
+    """The targets `genscore build-kernels` builds on this kind of machine: every x86-64 level, else the baseline."""
+    return ("avx512", "avx2", "generic") if platform.machine().lower() in ("x86_64", "amd64") else ("generic",)
+
+
+def build_name(target: str) -> str:
+    """A build's name: its target and a hash of everything it depends on, its source, its flags and torch's version
+    (the ABI), so a cached build is only ever loaded where it was made for."""
+    key = f"{SOURCE.read_text()}|{_FLAGS}|{TARGETS[target]}|{torch.__version__}|{platform.machine()}"
+    return f"genscore_varlen_{target}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def _put_ninja_on_path() -> None:
@@ -57,28 +74,17 @@ def _put_ninja_on_path() -> None:
 
 
 def build_error(cache_dir: Path | None) -> str | None:
-    """Compile (or load from `cache_dir`) the kernel once per process; None when it is ready, else why not.
+    """Load the kernel built for this CPU from `cache_dir`, or build it there, once per process; None when it is
+    ready, else why not.
 
-    A machine without a C++ compiler, or a build that fails, leaves the per-segment loop in place: the self-check
-    reports the reason and the model loads as before."""
+    A machine without a C++ compiler and no build made ahead, or a build that fails, leaves the per-segment loop in
+    place: the self-check reports the reason and the model loads as before."""
     with _lock:
         if "error" in _built:
             return _built["error"]
+        target = _built["target"] = cpu_target()
         try:
-            name = _build_name()
-            build_dir = Path(cache_dir) / EXTENSIONS / name if cache_dir is not None else None
-            built = None if build_dir is None else build_dir / f"{name}.so"
-            if built is not None and built.exists():
-                torch.ops.load_library(str(built))  # the name says it is this source for this CPU: no build check
-            else:
-                from torch.utils.cpp_extension import load
-
-                _put_ninja_on_path()
-                if build_dir is not None:
-                    build_dir.mkdir(parents=True, exist_ok=True)
-                log.info("building the CPU attention kernel %s (cached after the first start)", name)
-                load(name=name, sources=[str(SOURCE)], extra_cflags=list(_FLAGS), is_python_module=False,
-                     build_directory=None if build_dir is None else str(build_dir), verbose=False)
+            _load_or_build(target, cache_dir)
             error = None if hasattr(torch.ops.genscore_cpu, "varlen_attention") else "the built library has no op"
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the loop stays
             error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {str(exc)[:300]}"
@@ -86,6 +92,29 @@ def build_error(cache_dir: Path | None) -> str | None:
         if error is not None:
             log.warning("%s; packed attention runs one SDPA call per segment", error)
         return error
+
+
+def built_library(target: str, cache_dir: Path) -> Path:
+    """Where the build for `target` is kept under `cache_dir`."""
+    name = build_name(target)
+    return Path(cache_dir) / EXTENSIONS / name / f"{name}.so"
+
+
+def _load_or_build(target: str, cache_dir: Path | None) -> None:
+    """Load the build for `target` into torch.ops (compiling it first where `cache_dir` holds none)."""
+    name = build_name(target)
+    built = None if cache_dir is None else built_library(target, cache_dir)
+    if built is not None and built.exists():
+        torch.ops.load_library(str(built))  # the name says it is this source for this target: no build check
+        return
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    if built is not None:
+        built.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU attention kernel %s (cached after the first start)", name)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
+         build_directory=None if built is None else str(built.parent), verbose=False)
 
 
 def cpu_varlen_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -116,7 +145,8 @@ def segment_attention_cpu(
     query [1, H, T, D]; key, value [1, H_kv, T, D]; cu_seqlens [n + 1] int32 on the CPU. Like the CUDA kernel it
     reads no mask: causal attention inside each segment, within the layer's sliding window where it has one.
     """
-    if not _serves(query) or max_length > MAX_SEGMENT or (attention_mask is not None and window is None):
+    if not _serves(query) or max_length > MAX_SEGMENT[_built["target"]] or (
+            attention_mask is not None and window is None):
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.ops.genscore_cpu.varlen_attention(
@@ -135,7 +165,7 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
     """
     if not _serves(query) or row.spans is None:
         return None
-    if row.max_length + max((e - s for s, e in row.spans), default=0) > MAX_SPANNED_KEYS:
+    if row.max_length + max((e - s for s, e in row.spans), default=0) > MAX_SPANNED_KEYS[_built["target"]]:
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     spans = torch.tensor(row.spans, dtype=torch.long).reshape(-1, 2)  # [n, 2]
@@ -148,3 +178,15 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
 def model_cpu_varlen_refusal(model) -> str | None:
     """cpu_varlen_refusal for a loaded model: its device, its dtype and its attention head dimension."""
     return cpu_varlen_refusal(model.device, model.dtype, model_head_dim(model))
+
+
+def build_main(argv: list[str]) -> int:
+    """`--target T --cache-dir DIR`: build (and load) the kernel for one target into DIR; `genscore build-kernels`
+    runs it in a process of its own per target, since loading a build for an instruction set this CPU lacks may end
+    the process."""
+    parser = argparse.ArgumentParser(prog="genscore build-kernels (one target)")
+    parser.add_argument("--target", choices=sorted(TARGETS), required=True)
+    parser.add_argument("--cache-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    _load_or_build(args.target, args.cache_dir)
+    return 0

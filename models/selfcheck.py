@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models import cuda_graphs
-from models.attention_cpu import CPU_VARLEN, MAX_SEGMENT, build_error, model_cpu_varlen_refusal
+from models.attention_cpu import CPU_VARLEN, build_error, model_cpu_varlen_refusal
 from models.attention_cuda import VARLEN, VARLEN_PATH, model_varlen_refusal, runs_varlen_on
 from models.body import find_body, returned_cache
 from models.cache_reuse import stateful_layers
@@ -52,8 +52,8 @@ NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suf
 SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # Why packed attention keeps its per-segment loop on a batch-invariant model.
 VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
-CPU_VARLEN_WHEN_INVARIANT = (f"batch-invariant: the CPU kernel serves rows of segments up to {MAX_SEGMENT} tokens, "
-                             "so a prompt's path would depend on its batchmates")
+CPU_VARLEN_WHEN_INVARIANT = ("batch-invariant: the CPU kernel serves rows whose segments are all within a length "
+                             "bound, so a prompt's path would depend on its batchmates")
 GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boundaries a graph would fix at capture"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"

@@ -1,5 +1,5 @@
 // genscore's CPU packed-attention kernel: causal attention inside each segment of a packed row, every segment and
-// head of a layer in one call; a segment may also read a span of other keys in full first (a shared prefix's). Built just in time by models/attention_cpu.py, for the machine it runs on.
+// head of a layer in one call; a segment may also read a span of other keys in full first (a shared prefix's). Built by models/attention_cpu.py for one instruction set (its TARGETS).
 //
 // Numbers: scores, softmax and the weighted sum of values are computed in float32 whatever the input dtype (as
 // SDPA's CPU flash kernel does), each query's over exactly the keys it sees, so a query's result depends only on
@@ -17,7 +17,15 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats in one vector: a block of keys' scores, a slice of a value row
+// Floats in one vector (a block of keys' scores, a slice of a value row): one register of the widest the build targets.
+// A vector wider than the registers is split by the compiler and the accumulators no longer fit in registers.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
 constexpr int64_t kRows = 4;    // queries computed together, so each key block loaded serves them all
 constexpr int64_t kChunk = 64;  // queries per work item: a long segment is shared out across threads
 

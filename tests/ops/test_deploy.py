@@ -136,6 +136,10 @@ def test_dockerfile_structure():
     bake = next(i for i, line in enumerate(final) if "genscore warm-cache" in line)
     assert any(line.startswith("USER ") for line in final[:bake])
     assert any(line.startswith("ARG BAKE_WEIGHTS_CACHE=1") for line in final[:bake])
+    # The CPU attention kernel is built ahead where the compiler is (the builder) and lands in the runtime's cache.
+    builder = " ".join(lines[:lines.index(froms[-1])])
+    assert "genscore build-kernels --cache-dir /opt/genscore-kernels" in builder
+    assert "COPY --from=builder --chown=${UID}:${GID} /opt/genscore-kernels/extensions /var/cache/genscore/extensions" in final
 
 
 def test_install_steps_mount_the_pip_host_context():

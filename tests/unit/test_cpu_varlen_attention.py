@@ -1,4 +1,4 @@
-"""The CPU implementation of the packed-attention op (models/attention_cpu.py, built just in time): the same numbers
+"""The CPU implementation of the packed-attention op (models/attention_cpu.py, built for this CPU): the same numbers
 as one SDPA call per segment, in one call per layer; what it refuses; and the self-check that switches it off when
 it disagrees or cannot be built."""
 
@@ -96,7 +96,7 @@ def test_what_the_kernel_does_not_serve_runs_the_loop(kernel):
     assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, 4, None, None) is not None
     assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, None) is None  # a mask it cannot read
     assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, 8) is not None  # a sliding window
-    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, attention_cpu.MAX_SEGMENT + 1, None, None) is None
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, max(attention_cpu.MAX_SEGMENT.values()) + 1, None, None) is None
     assert attention_cpu.segment_attention_cpu(q.half(), kv.half(), kv.half(), None, cu, 4, None, None) is None
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float32, 48) is not None
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float16, 64) is not None
