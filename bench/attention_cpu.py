@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models.attention_cpu import build_error, segment_attention_cpu
+from models.attention_cpu import build_error
 from models.packed import LOOP, packed_ends, segment_attention
 
 # (shortest, longest, prompts in the row): `short`'s prompts, then longer ones up to one long prompt alone.
@@ -69,8 +69,9 @@ def _measure(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, 
     def loop():
         return segment_attention(q, k, v, None, cu, bounds, max(lengths), heads // kv_heads, None, None, LOOP)
 
-    def kernel():
-        return segment_attention_cpu(q, k, v, None, cu, 0, None, None)  # max_length 0: always served
+    def kernel():  # the op itself, over every segment whatever its length (max_segment 0)
+        return torch.ops.genscore_cpu.varlen_attention(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, None, dim ** -0.5, 0, 0)[None]
 
     exact = torch.cat([F.scaled_dot_product_attention(
         q[:, :, a:b].double(), k[:, :, a:b].double(), v[:, :, a:b].double(), is_causal=True,

@@ -25,9 +25,9 @@ SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.cpp"
 EXTENSIONS = "extensions"
 _DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dimensions the source instantiates
-# Rows whose longest segment is longer run the per-segment loop: there SDPA's flash kernel, which blocks queries
-# and keys for its GEMMs, is faster than this kernel's blocks of four queries; where that is depends on the vector
-# width of the build (docs/users/performance.md).
+# Longer segments run the per-segment loop: there SDPA's flash kernel, which blocks queries and keys for its GEMMs,
+# is faster than this kernel's blocks of four queries; where that is depends on the vector width of the build
+# (docs/users/performance.md).
 MAX_SEGMENT = {"avx512": 384, "avx2": 128, "generic": 128}
 # The same bound for segments that read a span of other keys first: the keys a query reads, its span's and its own.
 MAX_SPANNED_KEYS = {target: 2 * tokens for target, tokens in MAX_SEGMENT.items()}
@@ -137,22 +137,27 @@ def _serves(query: torch.Tensor) -> bool:
 
 def segment_attention_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-    cu_seqlens: torch.Tensor, max_length: int, scaling: float | None, window: int | None,
-) -> torch.Tensor | None:
-    """models/packed.py segment_attention through the CPU kernel: [1, T, H, D], or None where it does not serve the
-    call (a row with a segment over MAX_SEGMENT, a mask that is not a sliding window, an unbuilt kernel).
+    cu_seqlens: torch.Tensor, bounds: list[int], scaling: float | None, window: int | None,
+) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+    """models/packed.py segment_attention through the CPU kernel: the result [1, T, H, D] and the segments (start,
+    end) longer than MAX_SEGMENT, whose rows the kernel leaves for the caller's per-segment loop; None where it does
+    not serve the call (a mask that is not a sliding window, an unbuilt kernel, no segment within the bound).
 
-    query [1, H, T, D]; key, value [1, H_kv, T, D]; cu_seqlens [n + 1] int32 on the CPU. Like the CUDA kernel it
-    reads no mask: causal attention inside each segment, within the layer's sliding window where it has one.
+    query [1, H, T, D]; key, value [1, H_kv, T, D]; cu_seqlens [n + 1] int32 on the CPU, bounds the same on the host.
+    Like the CUDA kernel it reads no mask: causal attention inside each segment, within the layer's sliding window
+    where it has one. Which way a segment goes depends on its own length only, so a row's neighbours never change it.
     """
-    if not _serves(query) or max_length > MAX_SEGMENT[_built["target"]] or (
-            attention_mask is not None and window is None):
+    if not _serves(query) or (attention_mask is not None and window is None):
+        return None
+    limit = MAX_SEGMENT[_built["target"]]
+    longer = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b - a > limit]
+    if len(longer) == len(bounds) - 1:
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.ops.genscore_cpu.varlen_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [T, H_kv, D] x2
-        cu_seqlens, None, scale, 0 if window is None else window)  # [T, H, D]
-    return out[None]  # [1, T, H, D]
+        cu_seqlens, None, scale, 0 if window is None else window, limit)  # [T, H, D]
+    return out[None], longer  # [1, T, H, D]
 
 
 def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -171,7 +176,7 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
     spans = torch.tensor(row.spans, dtype=torch.long).reshape(-1, 2)  # [n, 2]
     out = torch.ops.genscore_cpu.varlen_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [past + T, H_kv, D]
-        row.cu_seqlens, spans, scale, 0)  # [T, H, D]
+        row.cu_seqlens, spans, scale, 0, 0)  # [T, H, D]
     return out[None]  # [1, T, H, D]
 
 

@@ -240,9 +240,15 @@ def segment_attention(
     query [1, H, T, D]; key, value [1, H_kv, T, D]; attention_mask None or the row's [1, 1, T, T]; cu_seqlens the
     boundaries on the device, bounds the same on the host; window the layer's sliding window, if any.
     """
+    layer = _AttentionLayer(key_value_groups)
     out = None
     if kernel == CPU_VARLEN:
-        out = segment_attention_cpu(query, key, value, attention_mask, cu_seqlens, max_length, scaling, window)
+        served = segment_attention_cpu(query, key, value, attention_mask, cu_seqlens, bounds, scaling, window)
+        if served is not None:
+            out, longer = served  # [1, T, H, D]
+            for a, b in longer:  # the segments it leaves: SDPA per segment, as each would run alone
+                out[:, a:b] = _segment_sdpa(layer, query, key, value, attention_mask, a, b, scaling, window)
+            return out
     elif kernel != LOOP:
         from models.attention_cuda import segment_attention_fast
 
@@ -250,17 +256,22 @@ def segment_attention(
                                      key_value_groups, scaling, window)
     if out is not None:
         return out
-    layer = _AttentionLayer(key_value_groups)
-    parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
-        if block is not None and _causal_block(b - a, window, False):
-            block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
-        parts.append(sdpa_attention_forward(
-            layer, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None,
-            scaling=scaling, dropout=0.0,
-        )[0])  # [1, L, H, D]
+    parts = [_segment_sdpa(layer, query, key, value, attention_mask, a, b, scaling, window)
+             for a, b in zip(bounds[:-1], bounds[1:])]  # each [1, L, H, D]
     return torch.cat(parts, dim=1)  # [1, T, H, D]
+
+
+def _segment_sdpa(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, a: int, b: int, scaling: float | None, window: int | None
+                  ) -> torch.Tensor:
+    """One SDPA call over segment [a, b) of the row, under its diagonal block of the row's mask: [1, L, H, D]."""
+    block = None if attention_mask is None else attention_mask[:, :, a:b, a:b]  # [1, 1, L, L]
+    if block is not None and _causal_block(b - a, window, False):
+        block = None  # causal after all: SDPA's causal kernel, the one an unpacked prompt runs
+    return sdpa_attention_forward(
+        layer, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], block, is_causal=block is None,
+        scaling=scaling, dropout=0.0,
+    )[0]
 
 
 @segment_attention.register_fake

@@ -52,8 +52,6 @@ NO_BOOLEAN_MASK = "the model's attention is not SDPA, which reads the packed suf
 SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # Why packed attention keeps its per-segment loop on a batch-invariant model.
 VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
-CPU_VARLEN_WHEN_INVARIANT = ("batch-invariant: the CPU kernel serves rows whose segments are all within a length "
-                             "bound, so a prompt's path would depend on its batchmates")
 GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boundaries a graph would fix at capture"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
@@ -73,9 +71,11 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             CPU_VARLEN_WHEN_INVARIANT, GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
-# Lengths of the neighbours the invariance check batches the probe sequences with.
-_NEIGHBOUR_LENGTHS = (3, 17, 33, 50)
+             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
+# Lengths of the neighbours the invariance check batches the probe sequences with; the last is longer than any
+# attention kernel's segment bound (models/attention_cpu.py MAX_SEGMENT), so a kernel that switched a whole row to
+# another path for one long prompt would be caught.
+_NEIGHBOUR_LENGTHS = (3, 17, 33, 400)
 
 
 class PlainForwardError(RuntimeError):
@@ -205,8 +205,8 @@ def _varlen(checker: _Checker, batch_invariant: bool, cache_dir: Path | None) ->
         reason = VARLEN_WHEN_INVARIANT if batch_invariant else model_varlen_refusal(model)
     elif model.device.type == "cpu":
         kernel = CPU_VARLEN
-        reason = CPU_VARLEN_WHEN_INVARIANT if batch_invariant else (
-            model_cpu_varlen_refusal(model) or build_error(cache_dir))
+        # a segment takes the kernel or the loop by its own length, so batch invariance holds (proven later)
+        reason = model_cpu_varlen_refusal(model) or build_error(cache_dir)
     else:
         return
     if reason is not None:

@@ -125,7 +125,8 @@ void attend(const T* q, int64_t q_step, const float* keys_t, const float* values
 
 template <typename T, int64_t D>
 void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
-                const int64_t* bounds, const int64_t* spans, int64_t segments, float scale, int64_t window) {
+                const int64_t* bounds, const int64_t* spans, int64_t segments, float scale, int64_t window,
+                int64_t max_segment) {
   const int64_t tokens = query.size(0), heads = query.size(1), kv_heads = key.size(1), group = heads / kv_heads;
   const int64_t keys = key.size(0), past = keys - tokens;  // own keys of the row follow `past` earlier ones
   const T* q = query.data_ptr<T>();
@@ -148,8 +149,10 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     }
   });
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (segment, first query) of each work item, for every head
-  for (int64_t seg = 0; seg < segments; ++seg)
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    if (max_segment > 0 && bounds[seg + 1] - bounds[seg] > max_segment) continue;  // left to the caller
     for (int64_t i = 0; i < bounds[seg + 1] - bounds[seg]; i += kChunk) chunks.emplace_back(seg, i);
+  }
   const int64_t items = static_cast<int64_t>(chunks.size()) * heads;
   std::atomic<int64_t> next{0};  // items are taken one by one: segments of different lengths stay balanced
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -171,10 +174,11 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 
 // query [T, H, D]; key and value [past + T, H_kv, D], the row's own keys last; all with the head dim contiguous.
 // cu_seqlens [n + 1]: the segments' boundaries in the row. spans (optional) [n, 2]: per segment, the [start, end)
-// of the key rows it reads in full before its own (empty: none). Returns [T, H, D].
+// of the key rows it reads in full before its own (empty: none). max_segment (0: none): segments longer than this
+// are not computed, their rows of the result left unwritten for the caller. Returns [T, H, D].
 at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& spans, double scale,
-                            int64_t window) {
+                            int64_t window, int64_t max_segment) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key, value must be [T, heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "the head dim must be contiguous");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(2) == query.size(2), "key and value must match the query");
@@ -201,13 +205,13 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "varlen_attention", [&] {
     switch (query.size(2)) {
-      case 16: attend_all<scalar_t, 16>(query, key, value, out, b, sp, segments, s, window); break;
-      case 32: attend_all<scalar_t, 32>(query, key, value, out, b, sp, segments, s, window); break;
-      case 64: attend_all<scalar_t, 64>(query, key, value, out, b, sp, segments, s, window); break;
-      case 80: attend_all<scalar_t, 80>(query, key, value, out, b, sp, segments, s, window); break;
-      case 96: attend_all<scalar_t, 96>(query, key, value, out, b, sp, segments, s, window); break;
-      case 128: attend_all<scalar_t, 128>(query, key, value, out, b, sp, segments, s, window); break;
-      case 256: attend_all<scalar_t, 256>(query, key, value, out, b, sp, segments, s, window); break;
+      case 16: attend_all<scalar_t, 16>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 32: attend_all<scalar_t, 32>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 64: attend_all<scalar_t, 64>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 80: attend_all<scalar_t, 80>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 96: attend_all<scalar_t, 96>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 128: attend_all<scalar_t, 128>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
+      case 256: attend_all<scalar_t, 256>(query, key, value, out, b, sp, segments, s, window, max_segment); break;
       default: TORCH_CHECK(false, "no build for a head dimension of ", query.size(2));
     }
   });
@@ -219,7 +223,7 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
 TORCH_LIBRARY(genscore_cpu, m) {
   m.def(
       "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, Tensor? spans, float scale, "
-      "int window) -> Tensor");
+      "int window, int max_segment) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }

@@ -39,7 +39,7 @@ lengths = [5, 37, 1, 90]
 tokens = sum(lengths)
 q, k, v = torch.randn(tokens, 4, 64), torch.randn(tokens, 2, 64), torch.randn(tokens, 2, 64)
 cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-out = torch.ops.genscore_cpu.varlen_attention(q, k, v, cu, None, 64 ** -0.5, 0)  # [T, H, D]
+out = torch.ops.genscore_cpu.varlen_attention(q, k, v, cu, None, 64 ** -0.5, 0, 0)  # [T, H, D]
 worst = 0.0
 for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
     segment = [t[start:end].transpose(0, 1).double() for t in (q, k, v)]  # [H, L, D]

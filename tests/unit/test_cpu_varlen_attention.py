@@ -63,7 +63,7 @@ def test_the_kernel_is_per_segment_attention_in_float32(kernel, head_dim, window
     q = torch.randn(bounds[-1], 4, head_dim, generator=generator) * 2  # [T, H, D]
     k = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator) * 2
     v = torch.randn(bounds[-1], kv_heads, head_dim, generator=generator)
-    got = kernel(q, k, v, torch.tensor(bounds, dtype=torch.int32), None, head_dim ** -0.5, window or 0)
+    got = kernel(q, k, v, torch.tensor(bounds, dtype=torch.int32), None, head_dim ** -0.5, window or 0, 0)
     assert got.shape == q.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _reference(q, k, v, bounds, window), atol=1e-5, rtol=0)
 
@@ -74,7 +74,7 @@ def test_the_kernel_reads_strided_layouts_and_bfloat16(kernel):
     q = torch.randn(1, bounds[-1], 6, 32).transpose(1, 2)[0].transpose(0, 1)  # [T, H, D], strided as in a layer
     k = torch.randn(bounds[-1], 2, 32)
     v = torch.randn(bounds[-1], 2, 32)
-    got = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(bounds), None, 0.2, 0)
+    got = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(bounds), None, 0.2, 0, 0)
     expected = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), bounds, None, 0.2)
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
@@ -83,8 +83,8 @@ def test_a_segment_gives_the_same_bits_whatever_its_neighbours(kernel):
     """Each query reads only its own segment's keys, in an order fixed by its own position."""
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(50, 4, 16, generator=generator) for _ in range(3))
-    alone = kernel(q[10:50], k[10:50], v[10:50], torch.tensor([0, 40]), None, 0.25, 0)
-    batched = kernel(q, k, v, torch.tensor([0, 10, 50]), None, 0.25, 0)
+    alone = kernel(q[10:50], k[10:50], v[10:50], torch.tensor([0, 40]), None, 0.25, 0, 0)
+    batched = kernel(q, k, v, torch.tensor([0, 10, 50]), None, 0.25, 0, 0)
     assert torch.equal(alone, batched[10:50])
 
 
@@ -93,14 +93,34 @@ def test_what_the_kernel_does_not_serve_runs_the_loop(kernel):
     kv = torch.randn(1, 2, 6, 16)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
-    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, 4, None, None) is not None
-    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, None) is None  # a mask it cannot read
-    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, 4, None, 8) is not None  # a sliding window
-    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, max(attention_cpu.MAX_SEGMENT.values()) + 1, None, None) is None
-    assert attention_cpu.segment_attention_cpu(q.half(), kv.half(), kv.half(), None, cu, 4, None, None) is None
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, None, cu, [0, 2, 6], None, None) is not None
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, [0, 2, 6], None, None) is None  # a mask it cannot read
+    assert attention_cpu.segment_attention_cpu(q, kv, kv, mask, cu, [0, 2, 6], None, 8) is not None  # a sliding window
+    assert attention_cpu.segment_attention_cpu(q.half(), kv.half(), kv.half(), None, cu, [0, 2, 6], None, None) is None
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float32, 48) is not None
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.float16, 64) is not None
     assert attention_cpu.cpu_varlen_refusal(torch.device("cpu"), torch.bfloat16, 64) is None
+
+
+def test_segments_over_the_bound_run_the_loop_in_the_same_row(kernel):
+    """A long segment beside short ones: the kernel computes the short ones and leaves the long one to SDPA, which
+    gives it the bits it gets alone; a row of long segments only runs the loop."""
+    limit = attention_cpu.MAX_SEGMENT[attention_cpu.cpu_target()]
+    lengths = [7, limit + 5, 30]
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    tokens = bounds[-1]
+    q, k, v = torch.randn(1, 4, tokens, 16), torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out, longer = attention_cpu.segment_attention_cpu(q, k, v, None, cu, bounds, None, None)
+    assert longer == [(7, limit + 12)]
+    row = packed.segment_attention(q, k, v, None, cu, bounds, max(lengths), 2, None, None, attention_cpu.CPU_VARLEN)
+    loop = packed.segment_attention(q, k, v, None, cu, bounds, max(lengths), 2, None, None, LOOP)
+    torch.testing.assert_close(row, loop, atol=1e-5, rtol=0)
+    long_alone = [t[:, :, 7:limit + 12] for t in (q, k, v)]
+    alone = packed.segment_attention(*long_alone, None, torch.tensor([0, limit + 5], dtype=torch.int32),
+                                     [0, limit + 5], limit + 5, 2, None, None, attention_cpu.CPU_VARLEN)
+    assert torch.equal(row[:, 7:limit + 12], alone)
+    assert attention_cpu.segment_attention_cpu(*long_alone, None, cu[:2], [0, limit + 5], None, None) is None
 
 
 @pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding"])
@@ -134,8 +154,8 @@ def test_a_kernel_that_disagrees_is_switched_off(kernel, monkeypatch):
     """Break the kernel on purpose (it drops the sliding window): the self-check measures it and keeps the loop."""
     real = attention_cpu.segment_attention_cpu
 
-    def drops_the_window(query, key, value, attention_mask, cu_seqlens, max_length, scaling, window):
-        return real(query, key, value, None, cu_seqlens, max_length, scaling, None)
+    def drops_the_window(query, key, value, attention_mask, cu_seqlens, bounds, scaling, window):
+        return real(query, key, value, None, cu_seqlens, bounds, scaling, None)
 
     monkeypatch.setattr(packed, "segment_attention_cpu", drops_the_window)
     model = attention_model(8)
@@ -153,10 +173,12 @@ def test_a_machine_that_cannot_build_it_keeps_the_loop(monkeypatch):
     assert plan.attention_kernel == LOOP and plan.layout == "packed"
 
 
-def test_the_kernel_is_not_used_under_batch_invariance(kernel):
+def test_the_kernel_serves_batch_invariance(kernel):
+    """A segment takes the kernel or the loop by its own length: the proof that a batch never moves a row holds with
+    the kernel on."""
     plan = install_fast_paths(attention_model(None), 300, 64, 0, batch_invariant=True)
-    assert not _verdict(plan).enabled and "batch-invariant" in _verdict(plan).reason
-    assert plan.attention_kernel == LOOP
+    assert _verdict(plan).enabled and plan.attention_kernel == attention_cpu.CPU_VARLEN
+    assert plan.batch_invariant and plan.layout == "packed"
 
 
 def test_spans_read_in_full_before_the_own_keys(kernel):
@@ -167,7 +189,7 @@ def test_spans_read_in_full_before_the_own_keys(kernel):
     q = torch.randn(bounds[-1], 4, 16, generator=generator) * 2
     k = torch.randn(past + bounds[-1], 2, 16, generator=generator) * 2
     v = torch.randn(past + bounds[-1], 2, 16, generator=generator)
-    got = kernel(q, k, v, torch.tensor(bounds), torch.tensor(spans), 0.25, 0)
+    got = kernel(q, k, v, torch.tensor(bounds), torch.tensor(spans), 0.25, 0, 0)
     for (a, b), (s, e) in zip(zip(bounds[:-1], bounds[1:]), spans):
         if a == b:
             continue
