@@ -241,7 +241,6 @@ def run_generation(args, tokenizer, dtypes: list[str], systems: set[str],
     out: dict = {"label": cell.label, "systems": {}, "ratios": {}}
     log(f"generation cell: {cell.label}, {sum(len(p) for p in prompts)} prompt tokens")
     vllm_python = find_vllm_python(args.vllm_python, REPO)
-    model_dir = model_dir_for_peers(args.model, args.cache_dir)
     for dtype in dtypes:
         short = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
         for tree, suffix in code_trees(before, args.before_first) if "genscore" in systems else ():
@@ -262,8 +261,13 @@ def run_generation(args, tokenizer, dtypes: list[str], systems: set[str],
             finally:
                 server.stop()
             log(f"  {out['systems'][name]['tokens_per_s']:.1f} tokens/s")
-        if "vllm" in systems and (vllm_python is None or model_dir is None):
-            log("vLLM not installed (run `make bench-peers`) or no HF directory of the model; no vLLM generation")
+        # looked up after genscore ran: its first start converts a GGUF model into the folder vLLM reads
+        model_dir = model_dir_for_peers(args.model, args.cache_dir)
+        if "vllm" in systems and vllm_python is None:
+            log("vLLM not installed (run `make bench-peers`); no vLLM generation")
+        elif "vllm" in systems and model_dir is None:
+            log(f"no converted model folder under {args.cache_dir} for vLLM (run genscore once with this --cache-dir, "
+                "or include it in --systems); no vLLM generation")
         elif "vllm" in systems:
             log(f"vLLM CPU ({dtype}), generation")
             server = start_vllm(vllm_python, model_dir, dtype, False, None,
