@@ -1,6 +1,7 @@
-"""The CPU implementation of the packed-attention op: one call per layer over the whole packed row, causal inside each
-segment (models/csrc/varlen_attention.cpp), built for the machine's instruction set (just in time, or ahead by
-`genscore build-kernels`) and cached; it refuses what it cannot honour."""
+"""genscore's CPU attention kernels (models/csrc/varlen_attention.cpp): the packed-attention op, one call per layer over
+the whole packed row, causal inside each segment; and a decode step's attention, each row's query against its own
+keys only. Built for the machine's instruction set (just in time, or ahead by `genscore build-kernels`) and cached;
+they refuse what they cannot honour."""
 
 from __future__ import annotations
 
@@ -178,6 +179,22 @@ def spanned_attention_cpu(row, query: torch.Tensor, key: torch.Tensor, value: to
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D], [past + T, H_kv, D]
         row.cu_seqlens, spans, scale, 0, 0)  # [T, H, D]
     return out[None]  # [1, T, H, D]
+
+
+def decode_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor,
+                         scaling: float | None) -> torch.Tensor | None:
+    """A decode step's attention through the CPU kernel: [B, 1, H, D], or None where the kernel does not serve the
+    call (unbuilt, another dtype or head dimension, more than one query per row).
+
+    query [B, H, 1, D]; key, value [B, H_kv, W, D] (views of the decode cache's buffers); lengths [B] int64, each
+    row's real tokens, which are its last columns (the decode cache is left-padded). The kernel reads no mask: each
+    row attends to exactly those columns, so the caller keeps SDPA for any layer whose mask says more (a window).
+    """
+    if not _serves(query) or query.shape[2] != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.genscore_cpu.decode_attention(query[:, :, 0], key, value, lengths, scale)  # [B, H, D]
+    return out[:, None]  # [B, 1, H, D]
 
 
 def model_cpu_varlen_refusal(model) -> str | None:

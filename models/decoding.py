@@ -23,6 +23,7 @@ from models.body import returned_cache, run_body
 from models.forward import pad_left
 from models.head import head_logits
 from models.kv_buffer import BufferCache, cache_of, select_into, stack_left_padded
+from models.packed import DECODE_LENGTHS
 from models.plan import ForwardPlan
 
 
@@ -66,9 +67,9 @@ class DecodeBatch:
         return self.attention_mask.shape[1]
 
 
-def _run(plan: ForwardPlan, input_ids, attention_mask, position_ids, cache: BufferCache) -> torch.Tensor:
+def _run(plan: ForwardPlan, input_ids, attention_mask, position_ids, cache: BufferCache, **kwargs) -> torch.Tensor:
     return run_body(plan.body, input_ids, cache=cache, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=True)
+                    use_cache=True, **kwargs)
 
 
 def _alone(plan: ForwardPlan, tokens: Sequence[int], cache: object | None, device: torch.device
@@ -124,8 +125,11 @@ def decode_step(model: PreTrainedModel, plan: ForwardPlan, batch: DecodeBatch, n
             row.cache, row.last_hidden, row.pending = cache, hidden, None
         return head_logits(plan, torch.stack([row.last_hidden for row in batch.rows]))
     mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones((batch.size, 1))], dim=1)  # [B, T+1]
-    position_ids = mask.sum(dim=1, keepdim=True) - 1  # [B, 1], the count of real tokens before this one
-    hidden = _run(plan, next_tokens.view(-1, 1).to(model.device), mask, position_ids, batch.cache)  # [B, 1, H]
+    lengths = mask.sum(dim=1)  # [B], each row's real tokens: the last columns of its keys (the cache is left-padded)
+    position_ids = (lengths - 1)[:, None]  # [B, 1], the count of real tokens before this one
+    # the decode kernel reads each row's keys by its length instead of the mask (models/packed.py)
+    kernel = {DECODE_LENGTHS: lengths} if plan.decode_kernel else {}
+    hidden = _run(plan, next_tokens.view(-1, 1).to(model.device), mask, position_ids, batch.cache, **kernel)  # [B, 1, H]
     batch.attention_mask = mask
     return head_logits(plan, hidden[:, -1, :])
 

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from models.attention_cpu import CPU_VARLEN, segment_attention_cpu, spanned_attention_cpu
+from models.attention_cpu import CPU_VARLEN, decode_attention_cpu, segment_attention_cpu, spanned_attention_cpu
 
 # The attention implementation genscore installs: SDPA, plus a per-prompt path when a call is packed.
 PACKED_ATTENTION = "genscore_packed_sdpa"
@@ -21,6 +21,9 @@ PACKED_ATTENTION = "genscore_packed_sdpa"
 PAST_SPANS = "past_spans"
 # Keyword of a packed call: its PackedRow (the boundaries on host and device, the spans, the kernel to run).
 PACKED_ROW = "packed_row"
+# Keyword of a decode step through the CPU decode kernel (models/decoding.py): [B] int64, each row's real tokens, which
+# are the last columns of its keys.
+DECODE_LENGTHS = "decode_lengths"
 
 
 class PackingUnsupported(RuntimeError):
@@ -167,7 +170,11 @@ def packed_sdpa_attention(
     boundaries = kwargs.pop("cu_seq_lens_q", None)
     row: PackedRow | None = kwargs.pop(PACKED_ROW, None)
     past_spans = kwargs.pop(PAST_SPANS, None)
+    decode_lengths = kwargs.pop(DECODE_LENGTHS, None)
     if boundaries is None and row is None:
+        out = None if decode_lengths is None else _decode_attention(module, query, key, value, decode_lengths, kwargs)
+        if out is not None:
+            return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
     if unknown or not getattr(module, "is_causal", True):
@@ -224,6 +231,18 @@ def packed_sdpa_attention(
             module, query[:, :, a:b], keys, values, block, is_causal=block is None, **kwargs
         )[0])  # [1, L, H, D]
     return torch.cat(parts, dim=1), None  # [1, T, H, D]
+
+
+def _decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      lengths: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """A decode step's attention through the CPU kernel, each row's query [B, H, 1, D] against its own keys only:
+    [B, 1, H, D]; None where the layer asks for more than plain attention over them (a window, dropout, soft-capping,
+    sinks), which SDPA then runs under the model's mask."""
+    unknown = [name for name, v in kwargs.items() if v is not None and name not in _HONOURED]
+    if (unknown or kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("dropout")
+            or not getattr(module, "is_causal", True)):
+        return None
+    return decode_attention_cpu(query, key, value, lengths, kwargs.get("scaling"))
 
 
 @torch.library.custom_op("genscore::segment_attention", mutates_args=())

@@ -52,6 +52,9 @@ class ForwardPlan:
     # The implementation of the packed-attention op (models/packed.py segment_attention): "loop", one SDPA call per
     # segment, or "varlen", one flash-attention call per layer (models/attention_cuda.py, CUDA only).
     attention_kernel: str = "loop"
+    # Decode steps' attention through the CPU decode kernel (models/attention_cpu.py decode_attention_cpu): each row's
+    # query against its own keys in one call per layer, instead of SDPA over the padded cache under its mask.
+    decode_kernel: bool = False
     # CUDA graphs of packed calls, one per bucket of packed lengths (models/cuda_graphs.py PackedGraphs), or None.
     graphs: object | None = None
     prefix_attention: PrefixAttention = "masked"
@@ -73,7 +76,7 @@ class ForwardPlan:
         """What /v1/models reports: each decision, and each path's verdict with its reason."""
         return {"tolerance": self.tolerance, "seconds": round(self.seconds, 3), "layout": self.layout,
                 "prefix_reuse": self.prefix_reuse, "decoding": self.decoding,
-                "attention_kernel": self.attention_kernel,
+                "attention_kernel": self.attention_kernel, "decode_kernel": self.decode_kernel,
                 "prefix_attention": self.prefix_attention, "batch_invariant": self.batch_invariant,
                 "cuda_graph_buckets": [] if self.graphs is None else self.graphs.bucket_tokens,
                 "stateful_layers": list(self.stateful_layers),

@@ -53,6 +53,9 @@ SHARED_PREFIX_OFF = "shared-prefix reuse is off"
 # Why packed attention keeps its per-segment loop on a batch-invariant model.
 VARLEN_WHEN_INVARIANT = "batch-invariant: its splits of long rows are not proven to keep a row's bits"
 GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boundaries a graph would fix at capture"
+# Decode steps' attention through the CPU decode kernel (models/attention_cpu.py decode_attention_cpu).
+DECODE_KERNEL_PATH = "cpu_decode_attention"
+DECODE_NEEDS_BATCHED = "decode steps do not run batched in a key/value cache through genscore's packed attention"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
@@ -71,7 +74,7 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES)
+             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED)
 # Lengths of the neighbours the invariance check batches the probe sequences with; the last is longer than any
 # attention kernel's segment bound (models/attention_cpu.py MAX_SEGMENT), so a kernel that switched a whole row to
 # another path for one long prompt would be caught.
@@ -268,6 +271,23 @@ def _decoding(checker: _Checker) -> None:
         checker.record(PathCheck("cached_decoding", False, None, NO_CACHE_OBJECT))
         return
     checker.attempt("cached_decoding", replace(checker.plan, decoding="per_request"), checker.decoding_error)
+
+
+def _decode_kernel(checker: _Checker, cache_dir: Path | None) -> None:
+    """Decode steps' attention through the CPU decode kernel (each row's query against its own keys, one call per
+    layer) instead of SDPA over the padded cache, where rows decode batched through genscore's attention function;
+    kept only if decoding with it agrees with the plain forward."""
+    model, plan = checker.model, checker.plan
+    if model.device.type != "cpu":
+        return
+    if plan.decoding != "batched" or plan.layout != "packed":
+        checker.record(PathCheck(DECODE_KERNEL_PATH, False, None, DECODE_NEEDS_BATCHED))
+        return
+    reason = model_cpu_varlen_refusal(model) or build_error(cache_dir)
+    if reason is not None:
+        checker.record(PathCheck(DECODE_KERNEL_PATH, False, None, reason))
+        return
+    checker.attempt(DECODE_KERNEL_PATH, replace(plan, decode_kernel=True), checker.decoding_error)
 
 
 def _batch_difference(checker: _Checker, plan: ForwardPlan, neighbours: list[list[int]]
@@ -475,6 +495,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     _guarded(checker, "shared_prefix", _prefix_reuse, batch_invariant)
     _guarded(checker, CASCADE_PATH, _cascade)
     _guarded(checker, "batched_decoding", _decoding)
+    _guarded(checker, DECODE_KERNEL_PATH, _decode_kernel, cache_dir)
     if batch_invariant:
         checker.record(_make_invariant(checker, vocab_size, max_length, original_attention))
     else:

@@ -1,5 +1,7 @@
-// genscore's CPU packed-attention kernel: causal attention inside each segment of a packed row, every segment and
-// head of a layer in one call; a segment may also read a span of other keys in full first (a shared prefix's). Built by models/attention_cpu.py for one instruction set (its TARGETS).
+// genscore's CPU attention kernels. varlen_attention: causal attention inside each segment of a packed row, every
+// segment and head of a layer in one call; a segment may also read a span of other keys in full first (a shared
+// prefix's). decode_attention: a decode step's one query per row against that row's own keys in the decode cache,
+// every row and head of a layer in one call. Built by models/attention_cpu.py for one instruction set (its TARGETS).
 //
 // Numbers: scores, softmax and the weighted sum of values are computed in float32 whatever the input dtype (as
 // SDPA's CPU flash kernel does), each query's over exactly the keys it sees, so a query's result depends only on
@@ -218,12 +220,115 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out;
 }
 
+// The D values at p as float32: bfloat16 widened, float32 copied (both vectorised by the compiler).
+template <typename T, int64_t D>
+inline void widen(const T* p, float* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]);
+}
+
+// One decode step's attention: per row b and query head, its one query against the last lengths[b] key columns of
+// that row (its real tokens; the left padding before them is never read), in float32 as varlen_attention computes.
+// The query heads that share a key/value head are one work item, so each key and value row is read once for them.
+template <typename T, int64_t D>
+void decode_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
+                const int64_t* lengths, float scale) {
+  const int64_t rows = query.size(0), heads = query.size(1), kv_heads = key.size(1), group = heads / kv_heads;
+  const int64_t width = key.size(2);
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> queries(group * D), scores, acc(group * D);
+    float row[D];
+    for (int64_t x = first; x < last; ++x) {
+      const int64_t b = x / kv_heads, kv = x % kv_heads, length = lengths[b], start = width - length;
+      const T* keys = k + b * key.stride(0) + kv * key.stride(1) + start * key.stride(2);
+      const T* values = v + b * value.stride(0) + kv * value.stride(1) + start * value.stride(2);
+      for (int64_t r = 0; r < group; ++r) {
+        widen<T, D>(q + b * query.stride(0) + (kv * group + r) * query.stride(1), queries.data() + r * D);
+        for (int64_t d = 0; d < D; ++d) queries[r * D + d] *= scale;
+      }
+      scores.resize(group * length);
+      for (int64_t j = 0; j < length; ++j) {  // scores [r, j] = q_r . k_j
+        widen<T, D>(keys + j * key.stride(2), row);
+        for (int64_t r = 0; r < group; ++r) {
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += queries[r * D + d] * row[d];
+          scores[r * length + j] = s;
+        }
+      }
+      std::vector<float> inverse(group);
+      for (int64_t r = 0; r < group; ++r) {  // softmax over the row's keys
+        float* p = scores.data() + r * length;
+        const float top = *std::max_element(p, p + length);
+        float total = 0.f;
+        for (int64_t j = 0; j < length; ++j) {
+          p[j] = std::exp(p[j] - top);
+          total += p[j];
+        }
+        inverse[r] = 1.f / total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < length; ++j) {  // acc [r] += p [r, j] v_j
+        widen<T, D>(values + j * value.stride(2), row);
+        for (int64_t r = 0; r < group; ++r) {
+          const float p = scores[r * length + j];
+          float* a = acc.data() + r * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        T* out_row = o + b * out.stride(0) + (kv * group + r) * out.stride(1);
+        for (int64_t d = 0; d < D; ++d) out_row[d] = static_cast<T>(acc[r * D + d] * inverse[r]);
+      }
+    }
+  });
+}
+
+// query [B, H, D]; key and value [B, H_kv, W, D] (views of larger buffers welcome), all with the head dim contiguous;
+// lengths [B]: row b's keys are its last lengths[b] columns, 1 <= lengths[b] <= W. Returns [B, H, D].
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4, "query must be [B, H, D], key and value [B, H_kv, W, D]");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "the head dim must be contiguous");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(3) == query.size(2) && key.size(0) == query.size(0),
+              "key and value must match the query");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "query, key and value must share a dtype");
+  const auto counts = lengths.to(at::kLong).contiguous();
+  TORCH_CHECK(counts.numel() == query.size(0), "lengths must have one entry per row");
+  const int64_t* n = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < counts.numel(); ++b)
+    TORCH_CHECK(1 <= n[b] && n[b] <= key.size(2), "a row's length must be within the key columns");
+  auto out = at::empty(query.sizes(), query.options());
+  const float s = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
+    switch (query.size(2)) {
+      case 16: decode_all<scalar_t, 16>(query, key, value, out, n, s); break;
+      case 32: decode_all<scalar_t, 32>(query, key, value, out, n, s); break;
+      case 64: decode_all<scalar_t, 64>(query, key, value, out, n, s); break;
+      case 80: decode_all<scalar_t, 80>(query, key, value, out, n, s); break;
+      case 96: decode_all<scalar_t, 96>(query, key, value, out, n, s); break;
+      case 128: decode_all<scalar_t, 128>(query, key, value, out, n, s); break;
+      case 256: decode_all<scalar_t, 256>(query, key, value, out, n, s); break;
+      default: TORCH_CHECK(false, "no build for a head dimension of ", query.size(2));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(genscore_cpu, m) {
   m.def(
       "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, Tensor? spans, float scale, "
       "int window, int max_segment) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor lengths, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
+TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) {
+  m.impl("varlen_attention", &varlen_attention);
+  m.impl("decode_attention", &decode_attention);
+}
