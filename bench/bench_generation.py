@@ -57,7 +57,20 @@ async def genscore_run(generator_class: type, loaded, device, texts: list[str], 
                        concurrency: int) -> tuple[float, int, list[str]]:
     """`concurrency` clients sending `texts` one after another; (seconds, tokens generated, every choice's text)."""
     generator = generator_class(loaded, Settings(model="unused", device=str(loaded.device)), device=device)
-    generator.start()
+    # The generator is passive (the engine core's scheduler runs its steps when serving): here a loop of its own
+    # runs a step whenever it has work, as the scheduler does with no scoring beside it.
+    wake, done = asyncio.Event(), False
+    generator.on_work = wake.set
+
+    async def drive() -> None:
+        while not done:
+            wake.clear()
+            if generator.has_work:
+                await generator.run_step()
+            else:
+                await wake.wait()
+
+    driver = asyncio.create_task(drive())
     await generator.warm_up()
     queue = list(enumerate(texts))
     generated = 0
@@ -76,7 +89,9 @@ async def genscore_run(generator_class: type, loaded, device, texts: list[str], 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
-    await generator.stop()
+    done = True
+    wake.set()
+    await driver
     return elapsed, generated, [outputs[k] for k in sorted(outputs)]
 
 
