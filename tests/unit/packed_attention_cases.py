@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+import models.attention_cpu as attention_cpu
 from models.head import head_logits
 from models.packed import LOOP, use_packed_attention
 from models.prefix import SuffixRow, forward_suffixes, prefill_prefixes, prefill_with_suffixes
 from models.selfcheck import plain_plan
+
+
+def require_cpu_kernels() -> None:
+    """Build genscore's CPU attention kernels once per process, or skip: a machine without a compiler serves the
+    per-segment loop and SDPA instead."""
+    error = attention_cpu.build_error(None)
+    if error is not None:
+        pytest.skip(error)
 
 
 def attention_model(window: int | None, layers: int = 2):

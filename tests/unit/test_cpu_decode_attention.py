@@ -14,17 +14,14 @@ import models.attention_cpu as attention_cpu
 import models.packed as packed
 from models.decoding import decode_step, prefill
 from models.selfcheck import DECODE_KERNEL_PATH, install_fast_paths
-from tests.unit.packed_attention_cases import attention_model
+from tests.unit.packed_attention_cases import attention_model, require_cpu_kernels
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The kernel, built once for the module (a machine without a compiler skips these tests, as it serves SDPA)."""
-    error = attention_cpu.build_error(None)
-    if error is not None:
-        pytest.skip(error)
+    require_cpu_kernels()
     return torch.ops.genscore_cpu.decode_attention
 
 

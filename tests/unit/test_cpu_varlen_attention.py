@@ -21,6 +21,7 @@ from tests.unit.packed_attention_cases import (
     attention_model,
     packed_plan,
     plain_last_logits,
+    require_cpu_kernels,
     sample_prompts,
 )
 
@@ -29,10 +30,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The kernel, built once for the module (a machine without a compiler skips these tests, as it serves the loop)."""
-    error = attention_cpu.build_error(None)
-    if error is not None:
-        pytest.skip(error)
+    require_cpu_kernels()
     return torch.ops.genscore_cpu.varlen_attention
 
 
