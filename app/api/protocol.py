@@ -65,6 +65,10 @@ class FastPathReport(BaseModel):
     decoding: Literal["batched", "per_request", "recompute"] = Field(
         description="how generation advances: rows in one key/value cache, each alone with the model's own cache, "
                     "or each token by a full forward")
+    attention_kernel: str = Field(
+        description="what runs packed attention: `loop` (one SDPA call per segment), or one kernel call per layer, "
+                    "`cpu_varlen` (genscore's CPU kernel) or `varlen` (flash attention on CUDA)")
+    decode_kernel: bool = Field(description="whether decode steps' attention runs through genscore's CPU decode kernel")
     batch_invariant: bool
     stateful_layers: list[str] = Field(description="cache layers that carry state across positions")
     paths: list[FastPathCheck]

@@ -160,3 +160,7 @@ def test_models_lists_the_served_model(client, tiny_loaded):
     out = client.get("/v1/models").json()
     assert out["object"] == "list"
     assert out["data"][0]["id"] == TINY_NAME and out["data"][0]["max_model_len"] == tiny_loaded.max_length
+    # the plan's decisions as the load made them, the kernels included
+    card, plan = out["data"][0]["fast_paths"], tiny_loaded.plan
+    assert (card["layout"], card["decoding"]) == (plan.layout, plan.decoding)
+    assert (card["attention_kernel"], card["decode_kernel"]) == (plan.attention_kernel, plan.decode_kernel)
