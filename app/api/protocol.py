@@ -69,6 +69,10 @@ class FastPathReport(BaseModel):
         description="what runs packed attention: `loop` (one SDPA call per segment), or one kernel call per layer, "
                     "`cpu_varlen` (genscore's CPU kernel) or `varlen` (flash attention on CUDA)")
     decode_kernel: bool = Field(description="whether decode steps' attention runs through genscore's CPU decode kernel")
+    prefix_attention: Literal["masked", "cascade"] = Field(
+        description="how packed suffixes attend to their shared prefix: SDPA under a mask, or cascade attention")
+    cuda_graph_buckets: list[int] = Field(
+        description="packed lengths with a captured CUDA graph (empty: none, or not on a GPU)")
     batch_invariant: bool
     stateful_layers: list[str] = Field(description="cache layers that carry state across positions")
     paths: list[FastPathCheck]

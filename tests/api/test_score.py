@@ -164,3 +164,4 @@ def test_models_lists_the_served_model(client, tiny_loaded):
     card, plan = out["data"][0]["fast_paths"], tiny_loaded.plan
     assert (card["layout"], card["decoding"]) == (plan.layout, plan.decoding)
     assert (card["attention_kernel"], card["decode_kernel"]) == (plan.attention_kernel, plan.decode_kernel)
+    assert (card["prefix_attention"], card["cuda_graph_buckets"]) == (plan.prefix_attention, [])
