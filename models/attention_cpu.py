@@ -91,7 +91,7 @@ def build_error(cache_dir: Path | None) -> str | None:
             error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {str(exc)[:300]}"
         _built["error"] = error
         if error is not None:
-            log.warning("%s; packed attention runs one SDPA call per segment", error)
+            log.warning("%s; packed attention runs one SDPA call per segment, decode steps SDPA", error)
         return error
 
 
