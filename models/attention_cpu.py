@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ TARGETS = {
     "avx2": ("-mavx2", "-mfma"),
     "generic": (),  # the compiler's baseline for the machine (SSE2 on x86-64), or another architecture's
 }
+
+# A build lock older than this is taken for one whose process was killed mid-build (a build takes well under it).
+STALE_BUILD_S = 300
 
 _lock = threading.Lock()
 _built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded); "target"
@@ -108,14 +112,32 @@ def _load_or_build(target: str, cache_dir: Path | None) -> None:
     if built is not None and built.exists():
         torch.ops.load_library(str(built))  # the name says it is this source for this target: no build check
         return
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     _put_ninja_on_path()
     if built is not None:
         built.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = built.parent if built is not None else Path(_get_build_directory(name, verbose=False))
+    clear_stale_lock(build_dir / "lock")
     log.info("building the CPU attention kernel %s (cached after the first start)", name)
     load(name=name, sources=[str(SOURCE)], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
-         build_directory=None if built is None else str(built.parent), verbose=False)
+         build_directory=str(build_dir), verbose=False)
+
+
+def clear_stale_lock(lock: Path, stale_after_s: float = STALE_BUILD_S, poll_s: float = 1.0) -> None:
+    """Wait while another process's build of the kernel holds `lock` (torch's builder waits for that file to go,
+    without end); remove it once it is older than any build takes, which means its process was killed mid-build."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after_s:
+            log.warning("removing %s: a build of the CPU attention kernel left it %.0f s ago and did not finish", lock,
+                        age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll_s)
 
 
 def cpu_varlen_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

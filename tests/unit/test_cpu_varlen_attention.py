@@ -4,6 +4,9 @@ it disagrees or cannot be built."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -227,3 +230,19 @@ def test_a_spanned_kernel_that_disagrees_switches_packed_suffixes_off(kernel, mo
     assert plan.attention_kernel == attention_cpu.CPU_VARLEN
     verdict = next(check for check in plan.checks if check.name == "packed_suffixes")
     assert not verdict.enabled and not plan.packed_suffixes
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path):
+    """torch's builder waits without end for its lock file to go: a start killed mid-build must not hang the next."""
+    stale = tmp_path / "lock"
+    stale.touch()
+    long_ago = time.time() - attention_cpu.STALE_BUILD_S - 5
+    os.utime(stale, (long_ago, long_ago))
+    attention_cpu.clear_stale_lock(stale)
+    assert not stale.exists()
+    live = tmp_path / "live-lock"
+    live.touch()
+    threading.Timer(0.3, live.unlink).start()  # another process's build finishing
+    started = time.monotonic()
+    attention_cpu.clear_stale_lock(live, poll_s=0.05)
+    assert time.monotonic() - started >= 0.25
