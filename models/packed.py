@@ -36,6 +36,12 @@ _HONOURED = {"dropout", "scaling", "is_causal", "sliding_window", "position_ids"
              "max_length_q", "max_length_k", "output_attentions", "use_cache", PAST_SPANS}
 
 
+def _unhonoured(kwargs: dict) -> list[str]:
+    """The keyword arguments of an attention call that carry something neither the per-prompt path nor the kernels
+    honour (sinks, soft-capping, ...), sorted."""
+    return sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
+
+
 # Queries per attention call over a shared prefix's states: fewer calls against fewer keys per query. Tuned on CPU.
 SUFFIX_GROUP_TOKENS = 256
 
@@ -176,7 +182,7 @@ def packed_sdpa_attention(
         if out is not None:
             return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    unknown = sorted(name for name, v in kwargs.items() if v is not None and name not in _HONOURED)
+    unknown = _unhonoured(kwargs)
     if unknown or not getattr(module, "is_causal", True):
         raise PackingUnsupported(f"attention layer {type(module).__name__} is called with "
                                  f"{unknown or ['is_causal=False']}")
@@ -238,8 +244,7 @@ def _decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """A decode step's attention through the CPU kernel, each row's query [B, H, 1, D] against its own keys only:
     [B, 1, H, D]; None where the layer asks for more than plain attention over them (a window, dropout, soft-capping,
     sinks), which SDPA then runs under the model's mask."""
-    unknown = [name for name, v in kwargs.items() if v is not None and name not in _HONOURED]
-    if (unknown or kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("dropout")
+    if (_unhonoured(kwargs) or kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("dropout")
             or not getattr(module, "is_causal", True)):
         return None
     return decode_attention_cpu(query, key, value, lengths, kwargs.get("scaling"))

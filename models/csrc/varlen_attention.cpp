@@ -239,7 +239,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const T* v = value.data_ptr<T>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> queries(group * D), scores, acc(group * D);
+    std::vector<float> queries(group * D), scores, acc(group * D), inverse(group);
     float row[D];
     for (int64_t x = first; x < last; ++x) {
       const int64_t b = x / kv_heads, kv = x % kv_heads, length = lengths[b], start = width - length;
@@ -258,7 +258,6 @@ void decode_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           scores[r * length + j] = s;
         }
       }
-      std::vector<float> inverse(group);
       for (int64_t r = 0; r < group; ++r) {  // softmax over the row's keys
         float* p = scores.data() + r * length;
         const float top = *std::max_element(p, p + length);
