@@ -28,6 +28,19 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps its [out, in] shape
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered into oneDNN's blocked layout (the result keeps the [out, in] shape)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b with W packed by pack_weight: [..., in] -> [..., out]."""
+    if torch.compiler.is_compiling():
+        # inductor lowers mkldnn's op only for frozen constant weights; as an opaque op the packed weight stays
+        return prepacked_linear(x, packed_weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout; same numbers as nn.Linear up to summation order."""
 
@@ -35,15 +48,11 @@ class PrepackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Buffers, not parameters: the packed layout is not a weight anything should train or re-load.
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _LAYOUT_ROWS)
-        self.register_buffer("packed_weight", packed)
+        self.register_buffer("packed_weight", pack_weight(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
-        if torch.compiler.is_compiling():
-            # inductor lowers mkldnn's op only for frozen constant weights; as an opaque op the packed weight stays
-            return prepacked_linear(x, self.packed_weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from models import cuda_graphs
@@ -21,6 +22,7 @@ from models.compiled import compile_layers, uncompile_layers
 from models.cuda_graphs import GRAPHS_PATH
 from models.decoding import decode_step, prefill
 from models.forward import forward_logits
+from models.fused_linears import find_groups, fuse_linears, restore_members
 from models.head import build_head, head_logits
 from models.invariant import make_batch_invariant
 from models.packed import use_packed_attention
@@ -56,6 +58,11 @@ GRAPHS_NEED_VARLEN = "the packed attention runs the per-segment loop, whose boun
 # Decode steps' attention through the CPU decode kernel (models/attention_cpu.py decode_attention_cpu).
 DECODE_KERNEL_PATH = "cpu_decode_attention"
 DECODE_NEEDS_BATCHED = "decode steps do not run batched in a key/value cache through genscore's packed attention"
+# Linears that read one input run as one wider GEMM (models/fused_linears.py).
+FUSED_LINEARS = "fused_linears"
+FUSED_WHEN_INVARIANT = "batch-invariant: each linear runs in fixed row tiles of its own"
+FUSED_WHEN_COMPILED = "compiled layers (--compile) trace each linear as it is"
+NO_SHARED_INPUTS = "no two linears read the same input"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
@@ -74,7 +81,8 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED)
+             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED, FUSED_WHEN_INVARIANT, FUSED_WHEN_COMPILED,
+             NO_SHARED_INPUTS)
 # Lengths of the neighbours the invariance check batches the probe sequences with; the last is longer than any
 # attention kernel's segment bound (models/attention_cpu.py MAX_SEGMENT), so a kernel that switched a whole row to
 # another path for one long prompt would be caught.
@@ -150,8 +158,9 @@ class _Checker:
         return False
 
 
-def _prepacked(checker: _Checker, batch_invariant: bool) -> None:
-    """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head."""
+def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool) -> None:
+    """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head; then those
+    that read one input fused (_fused, from the original weights, dropped after it)."""
     model, plan = checker.model, checker.plan
     swaps = []
     try:
@@ -169,11 +178,39 @@ def _prepacked(checker: _Checker, batch_invariant: bool) -> None:
 
         if not checker.attempt("prepacked_linears", candidate, prepacked_error):
             restore_linears(swaps)
+            return
+        if batch_invariant or compile:
+            checker.record(PathCheck(FUSED_LINEARS, False, None,
+                                     FUSED_WHEN_INVARIANT if batch_invariant else FUSED_WHEN_COMPILED))
+        else:
+            _fused(checker, {id(getattr(parent, name)): linear for parent, name, linear in swaps})
     except Exception as exc:  # noqa: BLE001 - installing the path failed: the plain linears serve
         restore_linears(swaps)
         checker.record(_failed("prepacked_linears", "installing", exc))
     finally:
         swaps.clear()  # drop the original weights: nothing may restore them now
+
+
+def _fused(checker: _Checker, originals: dict[int, nn.Linear]) -> None:
+    """Pre-packed linears that one forward of the body calls on the same input, each group run as one GEMM
+    (models/fused_linears.py), kept if the body's forward still agrees with the plain one."""
+    model, probe, body = checker.model, checker.probe, checker.plan.body
+    swaps = []
+    try:
+        groups = find_groups(body, lambda: plain_logits(model, body, probe.sequences[:1], probe.keep[:1]))
+        if not groups:
+            checker.record(PathCheck(FUSED_LINEARS, False, None, NO_SHARED_INPUTS))
+            return
+        swaps = fuse_linears(groups, originals)
+
+        def fused_error(candidate: ForwardPlan) -> float:
+            return checker.error(plain_logits(model, body, probe.sequences, probe.keep)[0])
+
+        if not checker.attempt(FUSED_LINEARS, checker.plan, fused_error):
+            restore_members(swaps)
+    except Exception as exc:  # noqa: BLE001 - installing the path failed: each linear runs alone
+        restore_members(swaps)
+        checker.record(_failed(FUSED_LINEARS, "installing", exc))
 
 
 def _layout(checker: _Checker) -> None:
@@ -486,7 +523,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
         raise RuntimeError(f"genscore cannot read this model's logits the way its own forward does: {head.reason}")
     checker.record(head)
 
-    _guarded(checker, "prepacked_linears", _prepacked, batch_invariant)
+    _guarded(checker, "prepacked_linears", _prepacked, batch_invariant, compile)
     original_attention = model.config._attn_implementation
     _guarded(checker, "packed_batches", _layout)
     _guarded(checker, VARLEN_PATH, _varlen, batch_invariant, cache_dir)
