@@ -495,9 +495,10 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
 
     Compared with the unmodified model's own forward on the same probe sequences (one of them longer
     than the smallest attention window): the output head genscore reads logits through (must agree,
-    or the load fails), pre-packed linear weights (CPU), packed sequences or else padded micro-batches
-    (else one sequence at a time), shared-prefix reuse (key/value states, or the model's whole cache), which the
-    prefix cache and multi-token candidates read as well, and batched decoding (else each row alone). Installing,
+    or the load fails), pre-packed linear weights (CPU) and the groups of them that read one input fused,
+    packed sequences or else padded micro-batches (else one sequence at a time), shared-prefix reuse (key/value
+    states, or the model's whole cache), which the prefix cache and multi-token candidates read as well, and
+    batched decoding (else each row alone). Installing,
     probing or checking a path that raises switches that path off with a warning; the load fails only when the
     model's own plain forward does.
     batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
