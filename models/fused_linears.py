@@ -44,6 +44,10 @@ class FusedMember(nn.Module):
         super().__init__()
         self.group, self.index = group, index
         self.in_features, self.out_features = in_features, group.sizes[index]
+        # The group's tensors as buffers of every member (module.buffers() yields each tensor once), so what counts a
+        # model's tensors (models/memory.py) sees them, as it saw the linears' own.
+        self.register_buffer("packed_weight", group.packed_weight)
+        self.register_buffer("bias", group.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
         return self.group.slice_for(x, self.index)

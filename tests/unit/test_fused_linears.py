@@ -95,3 +95,15 @@ def test_batch_invariant_loads_keep_each_linear_alone(tiny_model_dirs):
     check = {c.name: c for c in loaded.plan.checks}["fused_linears"]
     assert not check.enabled and check.reason.startswith("batch-invariant")
     assert not any(isinstance(m, FusedMember) for m in loaded.model.modules())
+
+
+def test_the_memory_model_counts_the_fused_weights_as_it_counted_the_linears(tiny_model_dirs, monkeypatch):
+    import models.selfcheck
+    from models.memory import MemoryModel
+
+    fused = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", cache_dir=None)
+    monkeypatch.setattr(models.selfcheck, "_fused", lambda checker, originals: None)
+    alone = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", cache_dir=None)
+    assert any(isinstance(m, FusedMember) for m in fused.model.modules())
+    assert not any(isinstance(m, FusedMember) for m in alone.model.modules())
+    assert MemoryModel.of(fused).weights_bytes == MemoryModel.of(alone).weights_bytes
