@@ -60,8 +60,13 @@ def find_groups(body: nn.Module, run: Callable[[], object]) -> list[list[tuple[n
     """Pre-packed linears under `body` that `run()` (a forward of the body) calls once each on one input tensor
     shared by two or more of them, as groups of (parent, name) in call order. A linear called more than once (shared
     across layers) is left alone: its calls may not share inputs the same way."""
-    places = {id(child): (parent, name) for parent in body.modules() for name, child in parent.named_children()
-              if type(child) is PrepackedLinear}
+    places: dict[int, tuple[nn.Module, str]] = {}
+    linears: list[nn.Module] = []  # a module held in two places appears twice: its hook counts two calls
+    for parent in body.modules():
+        for name, child in parent.named_children():
+            if type(child) is PrepackedLinear:
+                places[id(child)] = (parent, name)
+                linears.append(child)
     calls: dict[int, int] = {}
     inputs: list[tuple[torch.Tensor, list[int]]] = []  # (input, ids of the linears called on it), held alive
 
@@ -74,8 +79,7 @@ def find_groups(body: nn.Module, run: Callable[[], object]) -> list[list[tuple[n
                 return
         inputs.append((x, [id(module)]))
 
-    handles = [child.register_forward_pre_hook(record) for parent, name in places.values()
-               for child in [getattr(parent, name)]]
+    handles = [linear.register_forward_pre_hook(record) for linear in linears]
     try:
         run()
     finally:
