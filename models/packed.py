@@ -244,8 +244,8 @@ def _decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """A decode step's attention through the CPU kernel, each row's query [B, H, 1, D] against its own keys only:
     [B, 1, H, D]; None where the layer asks for more than plain attention over them (a window, dropout, soft-capping,
     sinks), which SDPA then runs under the model's mask."""
-    if (_unhonoured(kwargs) or kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("dropout")
-            or not getattr(module, "is_causal", True)):
+    if (_unhonoured(kwargs) or kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+            or kwargs.get("dropout") or not getattr(module, "is_causal", True)):
         return None
     return decode_attention_cpu(query, key, value, lengths, kwargs.get("scaling"))
 

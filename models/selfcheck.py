@@ -111,6 +111,10 @@ class _Checker:
     def error(self, logits: torch.Tensor) -> float:
         return logprob_error(logits, self.reference, self.model.dtype)
 
+    def body_error(self) -> float:
+        """The model's own forward, each probe sequence alone, through its body's modules as they are now."""
+        return self.error(plain_logits(self.model, self.plan.body, self.probe.sequences, self.probe.keep)[0])
+
     def forward_error(self, plan: ForwardPlan) -> float:
         """The scoring forward of `plan` (packed, padded or compiled, whichever it says)."""
         return self.error(forward_logits(self.model, plan, self.probe.sequences, self.pad, self.probe.keep))
@@ -173,8 +177,7 @@ def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool) -> None:
                             held_head=held)
 
         def prepacked_error(candidate: ForwardPlan) -> float:  # the body's packed linears, then the packed head
-            body = checker.error(plain_logits(model, plan.body, checker.probe.sequences, checker.probe.keep)[0])
-            return max(body, checker.error(head_logits(candidate, checker.plain_hidden)))
+            return max(checker.body_error(), checker.error(head_logits(candidate, checker.plain_hidden)))
 
         if not checker.attempt("prepacked_linears", candidate, prepacked_error):
             restore_linears(swaps)
@@ -202,11 +205,7 @@ def _fused(checker: _Checker, originals: dict[int, nn.Linear]) -> None:
             checker.record(PathCheck(FUSED_LINEARS, False, None, NO_SHARED_INPUTS))
             return
         swaps = fuse_linears(groups, originals)
-
-        def fused_error(candidate: ForwardPlan) -> float:
-            return checker.error(plain_logits(model, body, probe.sequences, probe.keep)[0])
-
-        if not checker.attempt(FUSED_LINEARS, checker.plan, fused_error):
+        if not checker.attempt(FUSED_LINEARS, checker.plan, lambda _: checker.body_error()):
             restore_members(swaps)
     except Exception as exc:  # noqa: BLE001 - installing the path failed: each linear runs alone
         restore_members(swaps)
@@ -498,9 +497,8 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
     or the load fails), pre-packed linear weights (CPU) and the groups of them that read one input fused,
     packed sequences or else padded micro-batches (else one sequence at a time), shared-prefix reuse (key/value
     states, or the model's whole cache), which the prefix cache and multi-token candidates read as well, and
-    batched decoding (else each row alone). Installing,
-    probing or checking a path that raises switches that path off with a warning; the load fails only when the
-    model's own plain forward does.
+    batched decoding (else each row alone). Installing, probing or checking a path that raises switches that path
+    off with a warning; the load fails only when the model's own plain forward does.
     batch_invariant: then make every path batch-invariant (models/invariant.py) and prove it, bit for bit,
     on the probe sequences batched with others; a path that still moves a row is switched off.
     compile: compile the decoder layers for packed calls (models/compiled.py; CPU, not with batch_invariant),
