@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from models import forward_logits, load_model
 from models.fused_linears import FusedGroup, FusedMember, find_groups, fuse_linears, restore_members
 from models.prepack import PrepackedLinear
+from tests.reference import last_logits, plain_model
 
 
 class _Block(nn.Module):
@@ -82,9 +82,8 @@ def test_a_loaded_llama_runs_its_projections_fused_with_the_plain_numbers(tiny_m
     assert len(members) == 5 * layers  # q, k, v; gate, up
     assert not any(name.endswith(("o_proj", "down_proj")) for name in members)
     prompts = [list(range(3, 3 + n)) for n in (4, 19, 40)]
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
-    with torch.inference_mode():
-        want = torch.stack([plain(torch.tensor([p])).logits[0, -1].log_softmax(-1) for p in prompts])
+    plain = plain_model(tiny_model_dirs["llama"])
+    want = torch.stack([last_logits(plain, p).log_softmax(-1) for p in prompts])
     got = forward_logits(loaded.model, loaded.plan, prompts, loaded.pad_token_id).log_softmax(-1)
     assert (got - want).abs().max().item() < 1e-4
 
