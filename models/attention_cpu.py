@@ -22,7 +22,8 @@ from models.cpu_features import cpu_capability
 log = logging.getLogger("genscore.models")
 
 CPU_VARLEN = "cpu_varlen"  # the kernel name a ForwardPlan's attention_kernel and a PackedRow carry
-SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.cpp"
+# The sources of the one library of CPU kernels: the attention kernels, and the bfloat16 linear (models/prepack.py).
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("varlen_attention.cpp", "bf16_linear.cpp"))
 # Where the built kernel is kept, under the cache directory: the next start loads it without compiling.
 EXTENSIONS = "extensions"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -63,7 +64,7 @@ def ahead_targets() -> tuple[str, ...]:
 def build_name(target: str) -> str:
     """A build's name: its target and a hash of everything it depends on, its source, its flags and torch's version
     (the ABI), so a cached build is only ever loaded where it was made for."""
-    key = f"{SOURCE.read_text()}|{_FLAGS}|{TARGETS[target]}|{torch.__version__}|{platform.machine()}"
+    key = f"{'|'.join(source.read_text() for source in SOURCES)}|{_FLAGS}|{TARGETS[target]}|{torch.__version__}|{platform.machine()}"
     return f"genscore_varlen_{target}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -120,7 +121,7 @@ def _load_or_build(target: str, cache_dir: Path | None) -> None:
     build_dir = built.parent if built is not None else Path(_get_build_directory(name, verbose=False))
     clear_stale_lock(build_dir / "lock")
     log.info("building the CPU attention kernel %s (cached after the first start)", name)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
+    load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
          build_directory=str(build_dir), verbose=False)
 
 

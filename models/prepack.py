@@ -1,16 +1,25 @@
-"""CPU linear layers whose weights are packed once into oneDNN's blocked layout, instead of on every call."""
+"""CPU linear layers whose weights are packed once, instead of on every call: into genscore's bfloat16 blocks
+(models/csrc/bf16_linear.cpp) where that kernel applies, else into oneDNN's blocked layout."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from models.cpu_features import bfloat16_packing_missing
+from models.attention_cpu import cpu_target
+from models.cpu_features import bfloat16_packing_missing, cpu_flags, describe_cpu
 
 log = logging.getLogger("genscore.models")
+
+# genscore's bfloat16 kernel packs weights in blocks of this many output columns (models/csrc/bf16_linear.cpp).
+BF16_BLOCK = 32
+# Why the bfloat16 kernel leaves a CPU to oneDNN when that is not a fault (reported as "not used").
+NO_AVX512_BF16 = "no avx512_bf16"
+AMX_PRESENT = "oneDNN runs bfloat16 GEMMs on this CPU's AMX tiles"
 
 # The row count oneDNN picks its weight layout for; a packed weight serves any row count. About one packed
 # scoring call (models/forward.py PACK_TOKENS); decoding's few rows still gain (measured in bench/).
@@ -20,16 +29,26 @@ _LAYOUT_ROWS = 1024
 @torch.library.custom_op("genscore::prepacked_linear", mutates_args=())
 def prepacked_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """PrepackedLinear's kernel as one op a compiled graph calls as it is (models/compiled.py)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return _linear(x, packed_weight, bias)
 
 
 @prepacked_linear.register_fake
 def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps its [out, in] shape
+    return x.new_empty((*x.shape[:-1], out_features(packed_weight)))
+
+
+def out_features(packed_weight: torch.Tensor) -> int:
+    """The output width of a weight packed by pack_weight: oneDNN's layout keeps the [out, in] shape; genscore's
+    bfloat16 blocks are [out / 32, in / 2, 32, 2]."""
+    return packed_weight.shape[0] * packed_weight.shape[2] if packed_weight.dim() == 4 else packed_weight.shape[0]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered into oneDNN's blocked layout (the result keeps the [out, in] shape)."""
+    """`weight` [out, in] packed for packed_linear: into genscore's bfloat16 blocks where that kernel serves it
+    (bfloat16_blocks_refusal, and a shape its blocks tile), else into oneDNN's blocked layout."""
+    out, features = weight.shape
+    if weight.dtype == torch.bfloat16 and out % BF16_BLOCK == 0 and features % 2 == 0 and bf16_blocks_refusal() is None:
+        return torch.ops.genscore_cpu.pack_bf16_linear(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
 
 
@@ -38,11 +57,55 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     if torch.compiler.is_compiling():
         # inductor lowers mkldnn's op only for frozen constant weights; as an opaque op the packed weight stays
         return prepacked_linear(x, packed_weight, bias)
+    return _linear(x, packed_weight, bias)
+
+
+def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed_weight.dim() == 4:  # genscore's bfloat16 blocks (out_features)
+        return torch.ops.genscore_cpu.bf16_linear(x, packed_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+def bf16_cpu_refusal() -> str | None:
+    """Why this CPU leaves bfloat16 GEMMs to oneDNN (None when genscore's bfloat16 kernel is made for it): the
+    kernel needs avx512_bf16, and on a CPU with AMX oneDNN's AMX kernels are faster."""
+    flags = cpu_flags()
+    if "avx512_bf16" not in flags:
+        return f"{NO_AVX512_BF16} ({describe_cpu()})"
+    return AMX_PRESENT if "amx_bf16" in flags else None
+
+
+def bf16_blocks_refusal() -> str | None:
+    """Why bfloat16 weights are not packed for genscore's bfloat16 kernel here (None when they are): the CPU
+    (bf16_cpu_refusal), the avx512 build of genscore's CPU kernels loaded (models/attention_cpu.py build_error),
+    and agreement with nn.Linear on every tile of rows the kernel computes."""
+    if (refusal := bf16_cpu_refusal()) is not None:
+        return refusal
+    if not hasattr(torch.ops.genscore_cpu, "bf16_linear"):
+        return "genscore's CPU kernels are not built"
+    if cpu_target() != "avx512":
+        return f"genscore's CPU kernels run their {cpu_target()} build"
+    return _bf16_blocks_error()
+
+
+@functools.cache
+def _bf16_blocks_error() -> str | None:
+    """Why the bfloat16 kernel disagrees with nn.Linear (None when it agrees) on every row count up to three tiles,
+    so each tile size it instantiates is run once."""
+    linear = nn.Linear(64, 2 * BF16_BLOCK).to(torch.bfloat16)
+    packed = torch.ops.genscore_cpu.pack_bf16_linear(linear.weight.detach())
+    with torch.inference_mode():
+        for rows in range(1, 43):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            got = torch.ops.genscore_cpu.bf16_linear(x, packed, linear.bias.detach()).float()
+            want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+            if not torch.allclose(got, want, atol=1e-2, rtol=1e-2):
+                return f"the bfloat16 kernel disagrees with nn.Linear on {rows} rows"
+    return None
+
+
 class PrepackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout; same numbers as nn.Linear up to summation order."""
+    """y = x W^T + b with W held packed (pack_weight); same numbers as nn.Linear up to summation order."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
