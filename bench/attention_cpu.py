@@ -21,7 +21,8 @@ from models.packed import LOOP, packed_ends, segment_attention
 ROWS = ((23, 51, 32), (100, 200, 8), (196, 351, 8), (384, 384, 4), (1000, 1000, 1))
 
 
-def _ms(call, repeats: int) -> float:
+def ms_per_call(call, repeats: int) -> float:
+    """Mean ms of `call` over `repeats` calls, after three to warm up."""
     for _ in range(3):
         call()
     started = time.perf_counter()
@@ -78,7 +79,7 @@ def _measure(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, 
         enable_gqa=True).transpose(1, 2) for a, b in zip(bounds[:-1], bounds[1:])], dim=1)  # [1, T, H, D]
     loop_diff = (loop().double() - exact).abs().max().item()
     kernel_diff = (kernel().double() - exact).abs().max().item()
-    return _ms(loop, repeats), _ms(kernel, repeats), loop_diff, kernel_diff
+    return ms_per_call(loop, repeats), ms_per_call(kernel, repeats), loop_diff, kernel_diff
 
 
 if __name__ == "__main__":
