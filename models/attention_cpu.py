@@ -22,8 +22,8 @@ from models.cpu_features import cpu_capability
 log = logging.getLogger("genscore.models")
 
 CPU_VARLEN = "cpu_varlen"  # the kernel name a ForwardPlan's attention_kernel and a PackedRow carry
-# The sources of the one library of CPU kernels: the attention kernels, and the bfloat16 linear (models/prepack.py).
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("varlen_attention.cpp", "bf16_linear.cpp"))
+# The sources of the one library of CPU kernels: the attention kernels, and the linear (models/prepack.py).
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("varlen_attention.cpp", "linear.cpp"))
 # Where the built kernel is kept, under the cache directory: the next start loads it without compiling.
 EXTENSIONS = "extensions"
 _DTYPES = (torch.float32, torch.bfloat16)

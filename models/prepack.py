@@ -1,5 +1,5 @@
-"""CPU linear layers whose weights are packed once, instead of on every call: into genscore's bfloat16 blocks
-(models/csrc/bf16_linear.cpp) where that kernel applies, else into oneDNN's blocked layout."""
+"""CPU linear layers whose weights are packed once, instead of on every call: into genscore's blocks
+(models/csrc/linear.cpp) where that kernel serves them, else into oneDNN's blocked layout."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from models.cpu_features import bfloat16_packing_missing, cpu_flags, describe_cp
 
 log = logging.getLogger("genscore.models")
 
-# genscore's bfloat16 kernel packs weights in blocks of this many output columns (models/csrc/bf16_linear.cpp).
-BF16_BLOCK = 32
-# Why the bfloat16 kernel leaves a CPU to oneDNN when that is not a fault (reported as "not used").
+# genscore's linear packs weights in blocks of this many output columns, and the inputs of a bfloat16 weight in
+# pairs (models/csrc/linear.cpp): [out / BLOCK, in / step, BLOCK, step].
+BLOCK = 32
+_STEPS = {torch.float32: 1, torch.bfloat16: 2}
+# Why genscore's linear leaves a CPU to oneDNN when that is not a fault (reported as "not used").
+NO_AVX512 = "genscore's linear is built for AVX-512"
 NO_AVX512_BF16 = "no avx512_bf16"
 AMX_PRESENT = "oneDNN runs bfloat16 GEMMs on this CPU's AMX tiles"
 
@@ -39,16 +42,17 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def out_features(packed_weight: torch.Tensor) -> int:
     """The output width of a weight packed by pack_weight: oneDNN's layout keeps the [out, in] shape; genscore's
-    bfloat16 blocks are [out / 32, in / 2, 32, 2]."""
+    blocks are [out / 32, in / step, 32, step]."""
     return packed_weight.shape[0] * packed_weight.shape[2] if packed_weight.dim() == 4 else packed_weight.shape[0]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] packed for packed_linear: into genscore's bfloat16 blocks where that kernel serves it
-    (bfloat16_blocks_refusal, and a shape its blocks tile), else into oneDNN's blocked layout."""
+    """`weight` [out, in] packed for packed_linear: into genscore's blocks where its kernel serves the dtype
+    (kernel_refusal) and the blocks tile the shape, else into oneDNN's blocked layout."""
     out, features = weight.shape
-    if weight.dtype == torch.bfloat16 and out % BF16_BLOCK == 0 and features % 2 == 0 and bf16_blocks_refusal() is None:
-        return torch.ops.genscore_cpu.pack_bf16_linear(weight)
+    step = _STEPS.get(weight.dtype)
+    if step and out % BLOCK == 0 and features % step == 0 and kernel_refusal(weight.dtype) is None:
+        return torch.ops.genscore_cpu.pack_linear_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
 
 
@@ -61,46 +65,50 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 
 def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if packed_weight.dim() == 4:  # genscore's bfloat16 blocks (out_features)
-        return torch.ops.genscore_cpu.bf16_linear(x, packed_weight, bias)
+    if packed_weight.dim() == 4:  # genscore's blocks (out_features)
+        return torch.ops.genscore_cpu.packed_linear(x, packed_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def bf16_cpu_refusal() -> str | None:
-    """Why this CPU leaves bfloat16 GEMMs to oneDNN (None when genscore's bfloat16 kernel is made for it): the
-    kernel needs avx512_bf16, and on a CPU with AMX oneDNN's AMX kernels are faster."""
-    flags = cpu_flags()
-    if "avx512_bf16" not in flags:
-        return f"{NO_AVX512_BF16} ({describe_cpu()})"
-    return AMX_PRESENT if "amx_bf16" in flags else None
-
-
-def bf16_blocks_refusal() -> str | None:
-    """Why bfloat16 weights are not packed for genscore's bfloat16 kernel here (None when they are): the CPU
-    (bf16_cpu_refusal), the avx512 build of genscore's CPU kernels loaded (models/attention_cpu.py build_error),
-    and agreement with nn.Linear on every tile of rows the kernel computes."""
-    if (refusal := bf16_cpu_refusal()) is not None:
-        return refusal
-    if not hasattr(torch.ops.genscore_cpu, "bf16_linear"):
-        return "genscore's CPU kernels are not built"
+def cpu_refusal(dtype: torch.dtype) -> str | None:
+    """Why this CPU leaves `dtype` GEMMs to oneDNN (None when genscore's linear is made for it): the kernel needs
+    AVX-512 (ATen at AVX-512, so that ATEN_CPU_CAPABILITY=avx2 turns it off), bfloat16 also avx512_bf16, and on a
+    CPU with AMX oneDNN's AMX kernels are faster in bfloat16."""
+    if dtype not in _STEPS:
+        return f"genscore's linear computes in float32 and bfloat16, not {dtype}"
     if cpu_target() != "avx512":
-        return f"genscore's CPU kernels run their {cpu_target()} build"
-    return _bf16_blocks_error()
+        return f"{NO_AVX512} ({describe_cpu()})"
+    flags = cpu_flags()
+    if dtype == torch.bfloat16 and "avx512_bf16" not in flags:
+        return f"{NO_AVX512_BF16} ({describe_cpu()})"
+    return AMX_PRESENT if dtype == torch.bfloat16 and "amx_bf16" in flags else None
+
+
+def kernel_refusal(dtype: torch.dtype) -> str | None:
+    """Why `dtype` weights are not packed for genscore's linear here (None when they are): the CPU (cpu_refusal),
+    the library of genscore's CPU kernels loaded (models/attention_cpu.py build_error), and agreement with
+    nn.Linear on every tile of rows the kernel computes."""
+    if (refusal := cpu_refusal(dtype)) is not None:
+        return refusal
+    if not hasattr(torch.ops.genscore_cpu, "packed_linear"):
+        return "genscore's CPU kernels are not built"
+    return _blocks_error(dtype)
 
 
 @functools.cache
-def _bf16_blocks_error() -> str | None:
-    """Why the bfloat16 kernel disagrees with nn.Linear (None when it agrees) on every row count up to three tiles,
-    so each tile size it instantiates is run once."""
-    linear = nn.Linear(64, 2 * BF16_BLOCK).to(torch.bfloat16)
-    packed = torch.ops.genscore_cpu.pack_bf16_linear(linear.weight.detach())
+def _blocks_error(dtype: torch.dtype) -> str | None:
+    """Why genscore's linear disagrees with nn.Linear in `dtype` (None when it agrees) on every row count up to three
+    tiles, so that each tile size it instantiates runs once."""
+    linear = nn.Linear(64, 2 * BLOCK).to(dtype)
+    packed = torch.ops.genscore_cpu.pack_linear_weight(linear.weight.detach())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         for rows in range(1, 43):
-            x = torch.randn(rows, 64).to(torch.bfloat16)
-            got = torch.ops.genscore_cpu.bf16_linear(x, packed, linear.bias.detach()).float()
+            x = torch.randn(rows, 64).to(dtype)
+            got = torch.ops.genscore_cpu.packed_linear(x, packed, linear.bias.detach()).float()
             want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-            if not torch.allclose(got, want, atol=1e-2, rtol=1e-2):
-                return f"the bfloat16 kernel disagrees with nn.Linear on {rows} rows"
+            if not torch.allclose(got, want, atol=tolerance, rtol=tolerance):
+                return f"genscore's linear disagrees with nn.Linear in {dtype} on {rows} rows"
     return None
 
 

@@ -37,10 +37,11 @@ from models.prefix import (
 )
 from models.prepack import (
     AMX_PRESENT,
+    NO_AVX512,
     NO_AVX512_BF16,
     PrepackedLinear,
-    bf16_blocks_refusal,
-    bf16_cpu_refusal,
+    cpu_refusal,
+    kernel_refusal,
     prepack_linears,
     prepacked_head,
     restore_linears,
@@ -72,9 +73,9 @@ FUSED_LINEARS = "fused_linears"
 FUSED_WHEN_INVARIANT = "batch-invariant: each linear runs in fixed row tiles of its own"
 FUSED_WHEN_COMPILED = "compiled layers (--compile) trace each linear as it is"
 NO_SHARED_INPUTS = "no two linears read the same input"
-# Pre-packed bfloat16 linears through genscore's own kernel (models/csrc/bf16_linear.cpp) instead of oneDNN's.
-BF16_KERNEL = "bf16_linear_kernel"
-BF16_NO_SHAPE = "no linear's shape fits its blocks of 32 outputs and pairs of inputs"
+# Pre-packed linears through genscore's own kernel (models/csrc/linear.cpp) instead of oneDNN's.
+LINEAR_KERNEL = "cpu_linear_kernel"
+NO_SHAPE_FITS = "no linear's shape fits its blocks of 32 outputs (and, in bfloat16, pairs of inputs)"
 # The verdict on batch invariance is reported as one more path, so /v1/models says whether numbers can move.
 BATCH_INVARIANT = "batch_invariant"
 NOT_REQUESTED = "not requested (--batch-invariant): a row's numbers may move by rounding with its batch"
@@ -94,7 +95,7 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
              GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED, FUSED_WHEN_INVARIANT, FUSED_WHEN_COMPILED,
-             NO_SHARED_INPUTS, NO_AVX512_BF16, AMX_PRESENT, BF16_NO_SHAPE)
+             NO_SHARED_INPUTS, NO_AVX512, NO_AVX512_BF16, AMX_PRESENT, NO_SHAPE_FITS)
 # Lengths of the neighbours the invariance check batches the probe sequences with; the last is longer than any
 # attention kernel's segment bound (models/attention_cpu.py MAX_SEGMENT), so a kernel that switched a whole row to
 # another path for one long prompt would be caught.
@@ -175,15 +176,15 @@ class _Checker:
 
 
 def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool, cache_dir: Path | None) -> None:
-    """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head, bfloat16 ones
-    for genscore's bfloat16 kernel where it serves them (built or loaded from cache_dir first); then those that read
-    one input fused (_fused, from the original weights, dropped after it)."""
+    """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head, for genscore's
+    linear where it serves them (built or loaded from cache_dir first), else for oneDNN's; then those that read one
+    input fused (_fused, from the original weights, dropped after it)."""
     model, plan = checker.model, checker.plan
     swaps = []
     try:
-        bf16_kernel = model.device.type == "cpu" and model.dtype == torch.bfloat16
-        if bf16_kernel and bf16_cpu_refusal() is None:
-            build_error(cache_dir)  # the bfloat16 kernel lives in the library of genscore's CPU kernels
+        on_cpu = model.device.type == "cpu"
+        if on_cpu and cpu_refusal(model.dtype) is None:
+            build_error(cache_dir)  # the linear lives in the library of genscore's CPU kernels
         swaps = prepack_linears(model, plan.body)
         if not swaps:
             return
@@ -198,8 +199,8 @@ def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool, cache_di
         if not checker.attempt("prepacked_linears", candidate, prepacked_error):
             restore_linears(swaps)
             return
-        if bf16_kernel:
-            checker.record(_bf16_kernel_check(checker))
+        if on_cpu:
+            checker.record(_linear_kernel_check(checker))
         if batch_invariant or compile:
             checker.record(PathCheck(FUSED_LINEARS, False, None,
                                      FUSED_WHEN_INVARIANT if batch_invariant else FUSED_WHEN_COMPILED))
@@ -212,12 +213,12 @@ def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool, cache_di
         swaps.clear()  # drop the original weights: nothing may restore them now
 
 
-def _bf16_kernel_check(checker: _Checker) -> PathCheck:
-    """Whether the proven pre-packed linears run genscore's bfloat16 kernel (their weights in its blocks)."""
+def _linear_kernel_check(checker: _Checker) -> PathCheck:
+    """Whether the proven pre-packed linears run genscore's linear (their weights in its blocks)."""
     blocked = [m for m in checker.model.modules() if isinstance(m, PrepackedLinear) and m.packed_weight.dim() == 4]
     if blocked:
-        return PathCheck(BF16_KERNEL, True, checker.checks[-1].difference, "")  # the prepacked linears' check
-    return PathCheck(BF16_KERNEL, False, None, bf16_blocks_refusal() or BF16_NO_SHAPE)
+        return PathCheck(LINEAR_KERNEL, True, checker.checks[-1].difference, "")  # the prepacked linears' check
+    return PathCheck(LINEAR_KERNEL, False, None, kernel_refusal(checker.model.dtype) or NO_SHAPE_FITS)
 
 
 def _fused(checker: _Checker, originals: dict[int, nn.Linear]) -> None:

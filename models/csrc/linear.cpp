@@ -1,0 +1,174 @@
+// genscore's linear for CPUs with AVX-512: y = x W^T + b with W packed once into blocks of 32 output columns, each
+// block's inputs in steps side by side ([out / 32, in / step, 32, step]): steps of two for bfloat16, the pairs the
+// vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). Each block's 32 columns are
+// accumulated in registers for up to 14 rows of x at a time over the whole input, so a weight byte is read from
+// memory once per chunk of rows (a decode step's few rows are bound by that read).
+// Built by models/attention_cpu.py with the other CPU kernels; only the avx512 build holds the kernel.
+//
+// Numbers: products summed in float32 over the whole input in order, the bias added in float32, one rounding to
+// the output dtype at the end (as oneDNN rounds once), so a row's result never depends on the other rows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // output columns per block: two vectors of 16 float32 accumulators
+constexpr int kMaxRows = 14;    // rows per tile: 28 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+constexpr int64_t kChunkRows = 8 * kMaxRows;  // rows whose inputs stay in L2 while the weight's blocks pass
+
+int64_t step_of(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "genscore's linear packs bfloat16 or float32 weights");
+  return dtype == at::kBFloat16 ? 2 : 1;
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "an [out, in] weight is packed");
+  const int64_t out = weight.size(0), in = weight.size(1), step = step_of(weight.scalar_type());
+  TORCH_CHECK(out % kBlock == 0 && in % step == 0, "the packed layout needs out % 32 == 0 and in % ", step, " == 0");
+  // [out, in] -> [out / 32, in / step, 32, step]: per block, per step of inputs, the 32 columns' inputs
+  return weight.contiguous().view({out / kBlock, kBlock, in / step, step}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#if defined(__AVX512F__)
+
+// y[rows, 32] = x[rows, in] x one block (+ bias[32]), x and y by rows of `ldx` / `ldy` elements; `steps` = in / 2.
+template <int Rows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
+    const at::BFloat16* x, int64_t ldx, const at::BFloat16* block, int64_t steps, const float* bias, at::BFloat16* y,
+    int64_t ldy) {
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x);  // a row's inputs two by two
+  const int64_t ldp = ldx / 2;
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + p * 2 * kBlock);  // columns 0-15, input pair p
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + p * 2 * kBlock + kBlock);  // columns 16-31
+#pragma GCC unroll 14
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh v = (__m512bh)_mm512_set1_epi32(pairs[r * ldp + p]);  // row r's pair p, in every lane
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v, w1);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+  }
+}
+
+// The same for float32, one input a step (`steps` = in).
+template <int Rows>
+void f32_tile(const float* x, int64_t ldx, const float* block, int64_t steps, const float* bias, float* y,
+              int64_t ldy) {
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < steps; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(block + k * kBlock);  // columns 0-15, input k
+    const __m512 w1 = _mm512_loadu_ps(block + k * kBlock + 16);  // columns 16-31
+#pragma GCC unroll 14
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 v = _mm512_set1_ps(x[r * ldx + k]);  // row r's input k, in every lane
+      acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r][0], b0));
+    _mm512_storeu_ps(y + r * ldy + 16, _mm512_add_ps(acc[r][1], b1));
+  }
+}
+
+template <typename T>
+using Tile = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t);
+
+// tiles<T>()[r - 1] computes r rows
+template <typename T, int... Rows>
+constexpr std::array<Tile<T>, sizeof...(Rows)> tiles(std::integer_sequence<int, Rows...>) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {{&f32_tile<Rows + 1>...}};
+  } else {
+    return {{&bf16_tile<Rows + 1>...}};
+  }
+}
+
+template <typename T>
+void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
+  static constexpr auto kTiles = tiles<T>(std::make_integer_sequence<int, kMaxRows>{});
+  const int64_t block_size = in * kBlock;  // elements of one block
+  // Rows in chunks whose inputs stay in cache while every block of the weight passes over them; within a chunk,
+  // tiles of equal size, the block reread from cache after the first. Each thread takes a contiguous share, so it
+  // streams its part of the weight in order.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows, blocks = out / kBlock;
+  at::parallel_for(0, chunks * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t chunk = i / blocks, blk = i % blocks;
+      const int64_t c0 = chunk * m / chunks, rows_in_chunk = (chunk + 1) * m / chunks - c0;
+      const int64_t row_tiles = (rows_in_chunk + kMaxRows - 1) / kMaxRows;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t r0 = c0 + t * rows_in_chunk / row_tiles, r1 = c0 + (t + 1) * rows_in_chunk / row_tiles;
+        kTiles[r1 - r0 - 1](x + r0 * in, in, w + blk * block_size, steps, bias ? bias + blk * kBlock : nullptr,
+                            y + r0 * out + blk * kBlock, out);
+      }
+    }
+  });
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && packed.dim() == 4,
+              "genscore's linear takes an input of its weight's dtype and a weight packed by pack_linear_weight");
+  const int64_t in = x.size(-1), steps = packed.size(1), out = packed.size(0) * kBlock;
+  TORCH_CHECK(in == steps * step_of(x.scalar_type()), "the input has ", in, " features, the packed weight ",
+              steps * packed.size(3));
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();  // [M, in]
+  const int64_t m = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  at::Tensor y = at::empty({m, out}, x.options());  // [M, out]
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();  // [out]
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    run_tiles<float>(rows.data_ptr<float>(), packed.data_ptr<float>(), b, y.data_ptr<float>(), m, in, out, steps);
+  } else {
+    run_tiles<at::BFloat16>(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b,
+                            y.data_ptr<at::BFloat16>(), m, in, out, steps);
+  }
+  return y.view(shape);
+}
+
+#else
+
+at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "genscore's linear is built for AVX-512 only");
+}
+
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genscore_cpu, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+}

@@ -1,0 +1,107 @@
+"""genscore's linear (models/csrc/linear.cpp): its numbers against a float64 reference in float32 and bfloat16, which
+weights are packed for it, and a kernel that disagrees left for oneDNN's at load. Runs where the AVX-512 build of the
+CPU kernels runs (bfloat16 where the CPU also has avx512_bf16 and no AMX); elsewhere oneDNN's kernels serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import models.prepack
+from models import load_model
+from models.attention_cpu import build_error
+from models.prepack import PrepackedLinear, cpu_refusal
+
+
+def _where_it_runs(dtype: torch.dtype, *values) -> pytest.param:
+    return pytest.param(dtype, *values, marks=pytest.mark.skipif(cpu_refusal(dtype) is not None,
+                                                                 reason=f"{cpu_refusal(dtype)}"))
+
+
+DTYPES = [_where_it_runs(torch.float32), _where_it_runs(torch.bfloat16)]
+# A row's result against float64: bfloat16 rounds once at the end (half an ulp, 2^-9), float32 sums in another order.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-3, rtol=2**-8)}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert build_error(None) is None  # the library of CPU kernels holds the linear
+    return torch.ops.genscore_cpu
+
+
+def _linear(features: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    torch.manual_seed(features + outputs)
+    return nn.Linear(features, outputs, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("features,outputs,bias", [(64, 96, True), (1536, 64, False)])
+def test_every_row_count_matches_a_float64_linear(kernel, dtype, features, outputs, bias):
+    """Every tile size (1-14 rows), several tiles, several chunks of rows."""
+    linear = _linear(features, outputs, bias, dtype)
+    packed = kernel.pack_linear_weight(linear.weight.detach())
+    for rows in [*range(1, 46), 113, 300]:
+        x = torch.randn(2, rows, features).to(dtype)  # [2, rows, in]
+        got = kernel.packed_linear(x, packed, None if linear.bias is None else linear.bias.detach())
+        want = nn.functional.linear(x.double(), linear.weight.double(), None if linear.bias is None else
+                                    linear.bias.double())
+        assert got.shape == (2, rows, outputs) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_numbers_do_not_depend_on_its_neighbours(kernel, dtype):
+    linear = _linear(576, 192, True, dtype)
+    packed = kernel.pack_linear_weight(linear.weight.detach())
+    x = torch.randn(300, 576).to(dtype)
+    together = kernel.packed_linear(x, packed, linear.bias.detach())
+    for row in (0, 13, 14, 111, 299):
+        alone = kernel.packed_linear(x[row:row + 1], packed, linear.bias.detach())
+        assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("dtype,step", [_where_it_runs(torch.float32, 1), _where_it_runs(torch.bfloat16, 2)])
+def test_weights_are_packed_in_blocks_only_where_they_tile(kernel, dtype, step):
+    assert PrepackedLinear(_linear(64, 96, True, dtype)).packed_weight.shape == (3, 64 // step, 32, step)
+    assert PrepackedLinear(_linear(64, 48, True, dtype)).packed_weight.dim() == 2  # 48 outputs: oneDNN's layout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_loads_onto_the_kernel_and_reports_it(kernel, tiny_model_dirs, dtype):
+    loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", str(dtype).removeprefix("torch."))
+    checks = {check.name: check for check in loaded.plan.checks}
+    assert checks["cpu_linear_kernel"].enabled and checks["prepacked_linears"].enabled
+    weights = [m.packed_weight for m in loaded.model.modules() if isinstance(m, PrepackedLinear)]
+    assert weights and all(w.dim() == 4 for w in weights)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_kernel_that_disagrees_leaves_the_weights_to_onednn(kernel, tiny_model_dirs, monkeypatch, dtype):
+    """The kernel's own check at load (every tile size against nn.Linear) fails: oneDNN packs every weight, the
+    pre-packed linears still serve, and the path says why it is off."""
+    monkeypatch.setattr(models.prepack, "_blocks_error", lambda dtype: "genscore's linear disagrees (test)")
+    loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", str(dtype).removeprefix("torch."))
+    checks = {check.name: check for check in loaded.plan.checks}
+    assert not checks["cpu_linear_kernel"].enabled
+    assert checks["cpu_linear_kernel"].reason == "genscore's linear disagrees (test)"
+    assert checks["prepacked_linears"].enabled
+    assert all(m.packed_weight.dim() == 2 for m in loaded.model.modules() if isinstance(m, PrepackedLinear))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_whose_kernel_numbers_are_wrong_is_served_by_plain_linears(kernel, tiny_model_dirs, monkeypatch,
+                                                                          dtype):
+    """Broken on purpose past the kernel's own check (its outputs scaled by half again in the model): the
+    self-check's forward comparison switches the pre-packed linears off and the plain ones serve."""
+    real = models.prepack._linear
+
+    def scaled(x, packed_weight, bias):
+        out = real(x, packed_weight, bias)
+        return out * 1.5 if packed_weight.dim() == 4 else out
+
+    monkeypatch.setattr(models.prepack, "_linear", scaled)
+    loaded = load_model(str(tiny_model_dirs["llama"]), "cpu", str(dtype).removeprefix("torch."))
+    checks = {check.name: check for check in loaded.plan.checks}
+    assert not checks["prepacked_linears"].enabled and checks["prepacked_linears"].difference > 0
+    assert not any(isinstance(m, PrepackedLinear) for m in loaded.model.modules())
