@@ -24,8 +24,8 @@ USAGE = "usage: genscore {serve,warm-cache,build-kernels,run-batch,calibrate} [-
 COMMANDS = """commands:
   serve          serve a model over HTTP (genscore serve --help lists the flags)
   warm-cache     convert the model's GGUF weights into --cache-dir once (e.g. at image build time), then exit
-  build-kernels  build the CPU attention kernel for each instruction set into --cache-dir (needs a C++ compiler;
-                 an image's build stage runs it, so that the image needs none)
+  build-kernels  build genscore's CPU kernels (attention, linear) for each instruction set into --cache-dir (needs
+                 a C++ compiler; an image's build stage runs it, so that the image needs none)
   run-batch      answer an OpenAI Batch JSONL file in-process, no server (genscore run-batch --help)
   calibrate      fit a label set's calibration on labelled prompts, scored by a running server (genscore calibrate --help)"""
 

@@ -42,9 +42,10 @@ class Settings(BaseSettings):
     """Weights dtype; `auto` is bfloat16 on CUDA and float32 on CPU. bfloat16 on a CPU without avx512_bf16 or AMX
     runs several times slower than float32 (a WARNING at load says so)."""
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "genscore")
-    """Where converted GGUF weights are cached so later starts skip dequantization, and where the CPU attention
-    kernel built for this CPU's instruction set is kept so later starts skip compiling it (`genscore build-kernels`
-    fills it ahead for every set; default `~/.cache/genscore`, the home directory read when the settings are)."""
+    """Where converted GGUF weights are cached so later starts skip dequantization, and where genscore's CPU kernels
+    (attention, linear) built for this CPU's instruction set are kept so later starts skip compiling them
+    (`genscore build-kernels` fills it ahead for every set; default `~/.cache/genscore`, the home directory read
+    when the settings are)."""
     torch_threads: int = Field(default=0, ge=0)
     """CPU threads for torch (0 = torch's default)."""
 

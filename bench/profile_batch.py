@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 # aten::matmul) counts just its own dispatch and the kernel under it counts once.
 CATEGORIES = {
     "linear": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul",
-               "genscore::prepacked_linear", "genscore_cpu::bf16_linear"),
+               "genscore::prepacked_linear", "genscore_cpu::packed_linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                   "aten::_scaled_dot_product_attention_math", "genscore::packed_attention",
                   "genscore::segment_attention", "genscore_cpu::varlen_attention",

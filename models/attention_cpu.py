@@ -93,10 +93,11 @@ def build_error(cache_dir: Path | None) -> str | None:
             _load_or_build(target, cache_dir)
             error = None if hasattr(torch.ops.genscore_cpu, "varlen_attention") else "the built library has no op"
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the loop stays
-            error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {str(exc)[:300]}"
+            error = f"genscore's CPU kernels could not be built: {type(exc).__name__}: {str(exc)[:300]}"
         _built["error"] = error
         if error is not None:
-            log.warning("%s; packed attention runs one SDPA call per segment, decode steps SDPA", error)
+            log.warning("%s; packed attention runs one SDPA call per segment, decode steps SDPA, linears oneDNN's "
+                        "kernels", error)
         return error
 
 
@@ -120,7 +121,7 @@ def _load_or_build(target: str, cache_dir: Path | None) -> None:
         built.parent.mkdir(parents=True, exist_ok=True)
     build_dir = built.parent if built is not None else Path(_get_build_directory(name, verbose=False))
     clear_stale_lock(build_dir / "lock")
-    log.info("building the CPU attention kernel %s (cached after the first start)", name)
+    log.info("building genscore's CPU kernels %s (cached after the first start)", name)
     load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
          build_directory=str(build_dir), verbose=False)
 
