@@ -62,10 +62,11 @@ def ahead_targets() -> tuple[str, ...]:
 
 
 def build_name(target: str) -> str:
-    """A build's name: its target and a hash of everything it depends on, its source, its flags and torch's version
+    """A build's name: its target and a hash of everything it depends on, its sources, its flags and torch's version
     (the ABI), so a cached build is only ever loaded where it was made for."""
-    key = f"{'|'.join(source.read_text() for source in SOURCES)}|{_FLAGS}|{TARGETS[target]}|{torch.__version__}|{platform.machine()}"
-    return f"genscore_varlen_{target}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    sources = "|".join(source.read_text() for source in SOURCES)
+    key = f"{sources}|{_FLAGS}|{TARGETS[target]}|{torch.__version__}|{platform.machine()}"
+    return f"genscore_cpu_kernels_{target}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def _put_ninja_on_path() -> None:
@@ -122,8 +123,8 @@ def _load_or_build(target: str, cache_dir: Path | None) -> None:
     build_dir = built.parent if built is not None else Path(_get_build_directory(name, verbose=False))
     clear_stale_lock(build_dir / "lock")
     log.info("building genscore's CPU kernels %s (cached after the first start)", name)
-    load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*_FLAGS, *TARGETS[target]], is_python_module=False,
-         build_directory=str(build_dir), verbose=False)
+    load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*_FLAGS, *TARGETS[target]],
+         is_python_module=False, build_directory=str(build_dir), verbose=False)
 
 
 def clear_stale_lock(lock: Path, stale_after_s: float = STALE_BUILD_S, poll_s: float = 1.0) -> None:
