@@ -6,8 +6,8 @@ clients that disconnect midway, and account for every request.
     python scripts/loadtest.py --url http://127.0.0.1:8000   # a server you started
 
 Phases: (1) every distinct request of the pool is sent alone, one at a time: its answer is the reference;
-(2) a closed loop measures capacity (requests/s); (3) open-loop arrivals at `factor` x capacity for `duration`
-seconds, a `disconnect` fraction of them abandoned by their client after a random short wait. Every request ends
+(2) a closed loop measures capacity (requests/s); (3) open-loop arrivals at `factor` x capacity (at most
+`max-rate` a second) for `duration` seconds, a `disconnect` fraction of them abandoned by their client after a random short wait. Every request ends
 in exactly one bucket: 200 (its numbers are compared with its reference), 503/429 (refused: queue full), 504
 (deadline passed in the queue), abandoned (the client left first), error (any other status or a transport error),
 or lost (no answer within --client-timeout). Exit status 1 when any request is lost, wrong or an error.
@@ -259,7 +259,7 @@ async def run(url: str, args) -> int:
         refs = await references(client, pool)
     capacity_tally, capacity_s = await closed_loop(target, raws, refs, args.concurrency, args.capacity_requests, args)
     capacity = capacity_tally.ok / capacity_s
-    rate = args.factor * capacity
+    rate = min(args.factor * capacity, args.max_rate)
     overload_tally, overload_s = await open_loop(target, raws, refs, rate, args)
     async with httpx.AsyncClient(base_url=url) as client:
         after = await client.post("/score", json=pool[0], timeout=60)
@@ -267,7 +267,7 @@ async def run(url: str, args) -> int:
     print(f"\nserver: {url}   pool: {args.pool} distinct requests ({sum(len(b.get('items') or [0]) for b in pool)} "
           f"prompts), each checked against its answer alone (tolerance {args.tolerance:g})")
     print(f"capacity (closed loop, {args.concurrency} clients): {capacity:.1f} requests/s; overload: Poisson arrivals "
-          f"at {args.factor:g} x capacity = {rate:.1f}/s for {args.duration:g} s, {args.disconnect:.0%} of clients "
+          f"at {args.factor:g} x capacity = {rate:.1f}/s (at most {args.max_rate:g}) for {args.duration:g} s, {args.disconnect:.0%} of clients "
           "leave after 0.02-1 s\n")
     print(HEADER)
     print(capacity_tally.row("capacity", capacity_s))
@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--server-args", default="", help='more `genscore serve` flags, e.g. "--torch-threads 1"')
     parser.add_argument("--factor", type=float, default=4.0, help="offered load as a multiple of measured capacity")
+    # Each request opens its own connection: past a few thousand a second the kernel's accept queue overflows and
+    # its SYN cookies fail as connection resets, before the server sees the request; that is the host's limit.
+    parser.add_argument("--max-rate", type=float, default=1500.0, help="cap on the offered requests per second")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of overload")
     parser.add_argument("--disconnect", type=float, default=0.2, help="fraction of clients that leave midway")
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the capacity phase")
