@@ -26,10 +26,12 @@ class FusedGroup:
         # (input, its output slices): one tuple, replaced whole, so a member reads a consistent pair
         self.last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
-    def slice_for(self, x: torch.Tensor, index: int) -> torch.Tensor:  # [..., in] -> [..., sizes[index]]
+    def slice_for(self, x: torch.Tensor, index: int, packed_weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:  # [..., in] -> [..., sizes[index]]
+        """Member `index`'s slice of the group's GEMM on `x`; packed_weight and bias are the group's own tensors."""
         last = self.last
         if last is None or last[0] is not x:
-            last = (x, packed_linear(x, self.packed_weight, self.bias).split(self.sizes, dim=-1))
+            last = (x, packed_linear(x, packed_weight, bias).split(self.sizes, dim=-1))
             self.last = last
         if index == len(self.sizes) - 1:
             self.last = None  # the group's last member: drop the input and the output before the layer goes on
@@ -50,7 +52,9 @@ class FusedMember(nn.Module):
         self.register_buffer("bias", group.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
-        return self.group.slice_for(x, self.index)
+        # The group's tensors read as this module's buffers: a compiled layer takes a module's buffers as fixed in
+        # size, and would take them as inputs of varying size if read from the group (a plain object).
+        return self.group.slice_for(x, self.index, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"slice {self.index} of {len(self.group.sizes)}, out_features={self.out_features}"

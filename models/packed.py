@@ -197,8 +197,8 @@ def packed_sdpa_attention(
     if torch.compiler.is_compiling() and not spanned:
         # A compiled layer (models/compiled.py) calls the per-prompt loop below as one opaque op: its Python
         # loop over boundaries would otherwise break the graph in every layer.
-        return packed_attention(query, key, value, attention_mask, boundaries, groups,
-                                kwargs.get("scaling"), kwargs.get("dropout") or 0.0), None
+        return packed_attention(query, key, value, attention_mask, boundaries, groups, kwargs.get("scaling"),
+                                kwargs.get("dropout") or 0.0, kwargs.get("sliding_window"), row.kernel), None
     if not spanned:
         return segment_attention(query, key, value, attention_mask, row.cu_seqlens, list(row.bounds), row.max_length,
                                  groups, kwargs.get("scaling"), kwargs.get("sliding_window"), row.kernel), None
@@ -316,15 +316,24 @@ class _AttentionLayer:
 @torch.library.custom_op("genscore::packed_attention", mutates_args=())
 def packed_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-    boundaries: torch.Tensor, key_value_groups: int, scaling: float | None, dropout: float,
+    boundaries: torch.Tensor, key_value_groups: int, scaling: float | None, dropout: float, window: int | None,
+    kernel: str,
 ) -> torch.Tensor:
-    """packed_sdpa_attention over prompts packed without a past, as one op: [1, T, H, D]."""
-    return packed_sdpa_attention(_AttentionLayer(key_value_groups), query, key, value, attention_mask,
-                                 cu_seq_lens_q=boundaries, scaling=scaling, dropout=dropout)[0]
+    """segment_attention over prompts packed without a past, for a compiled layer: the boundaries come as one host
+    tensor [n + 1] (a list of ints would make the graph guard on every batch's lengths), [1, T, H, D]."""
+    if dropout:
+        return packed_sdpa_attention(_AttentionLayer(key_value_groups), query, key, value, attention_mask,
+                                     cu_seq_lens_q=boundaries, scaling=scaling, dropout=dropout)[0]
+    bounds = boundaries.tolist()
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    cu_seqlens = boundaries.to(device=query.device, dtype=torch.int32)
+    return segment_attention(query, key, value, attention_mask, cu_seqlens, bounds, longest, key_value_groups,
+                             scaling, window, kernel)
 
 
 @packed_attention.register_fake
-def _(query, key, value, attention_mask, boundaries, key_value_groups, scaling, dropout) -> torch.Tensor:
+def _(query, key, value, attention_mask, boundaries, key_value_groups, scaling, dropout, window, kernel
+      ) -> torch.Tensor:
     batch, heads, tokens, dim = query.shape
     return query.new_empty((batch, tokens, heads, dim))
 

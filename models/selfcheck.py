@@ -71,7 +71,6 @@ DECODE_NEEDS_BATCHED = "decode steps do not run batched in a key/value cache thr
 # Linears that read one input run as one wider GEMM (models/fused_linears.py).
 FUSED_LINEARS = "fused_linears"
 FUSED_WHEN_INVARIANT = "batch-invariant: each linear runs in fixed row tiles of its own"
-FUSED_WHEN_COMPILED = "compiled layers (--compile) trace each linear as it is"
 NO_SHARED_INPUTS = "no two linears read the same input"
 # Pre-packed linears through genscore's own kernel (models/csrc/linear.cpp) instead of oneDNN's.
 LINEAR_KERNEL = "cpu_linear_kernel"
@@ -94,7 +93,7 @@ NO_CACHE_OBJECT = "the model keeps its state inside its modules and hands back n
 # Reasons a path is not used that are not a disagreement (logged at info, not as a warning).
 _NOT_USED = (NOT_PLAIN_ATTENTION, NOT_REQUESTED, UNPACKED_WHEN_INVARIANT, SHARED_PREFIX_OFF, COMPILE_NOT_REQUESTED,
              NOT_COMPILED_WHEN_INVARIANT, CARRIES_STATE, NO_CACHE_OBJECT, RUNS_FROM_SCRATCH, VARLEN_WHEN_INVARIANT,
-             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED, FUSED_WHEN_INVARIANT, FUSED_WHEN_COMPILED,
+             GRAPHS_NEED_VARLEN, NEEDS_PACKED_SUFFIXES, DECODE_NEEDS_BATCHED, FUSED_WHEN_INVARIANT,
              NO_SHARED_INPUTS, NO_AVX512, NO_AVX512_BF16, AMX_PRESENT, NO_SHAPE_FITS)
 # Lengths of the neighbours the invariance check batches the probe sequences with; the last is longer than any
 # attention kernel's segment bound (models/attention_cpu.py MAX_SEGMENT), so a kernel that switched a whole row to
@@ -201,9 +200,8 @@ def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool, cache_di
             return
         if on_cpu:
             checker.record(_linear_kernel_check(checker))
-        if batch_invariant or compile:
-            checker.record(PathCheck(FUSED_LINEARS, False, None,
-                                     FUSED_WHEN_INVARIANT if batch_invariant else FUSED_WHEN_COMPILED))
+        if batch_invariant:
+            checker.record(PathCheck(FUSED_LINEARS, False, None, FUSED_WHEN_INVARIANT))
         else:
             _fused(checker, {id(getattr(parent, name)): linear for parent, name, linear in swaps})
     except Exception as exc:  # noqa: BLE001 - installing the path failed: the plain linears serve

@@ -1,5 +1,6 @@
 """models/compiled.py on the tiny Llama in float32: compiled decoder layers give the plain forward's logits on packed
-calls, share one graph across layers and lengths, and leave calls with a key/value cache eager."""
+calls, share one graph across layers and lengths, run the eager forward's fused linears and packed-attention kernel
+inside that graph, and leave calls with a key/value cache eager."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from models import load_model
+from models.attention_cpu import CPU_VARLEN
 from models.compiled import INDUCTOR_CACHE, compile_layers, is_compiled, uncompile_layers
 from models.forward import forward_logits
 from models.head import head_logits
@@ -58,6 +60,31 @@ def test_packed_calls_run_compiled_and_equal_the_plain_forward(compiled, plain_m
         torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=0)
     # every layer and every pack length above ran the one graph
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _op_calls(run) -> dict[str, int]:
+    """How many times `run` calls each op, by name."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    calls: dict[str, int] = {}
+    for event in prof.events():
+        calls[event.name] = calls.get(event.name, 0) + 1
+    return calls
+
+
+def test_compiled_layers_keep_the_fused_linears_and_the_attention_kernel(compiled):
+    """The graph calls the fused groups' one GEMM (not each linear) and, where the plan has it, the packed-attention
+    kernel once per layer (not one SDPA call per prompt)."""
+    assert compiled.plan.enabled("fused_linears"), compiled.plan.as_dict()
+    sequences = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    calls = _op_calls(lambda: forward_logits(compiled.model, compiled.plan, sequences, 0))
+    layers = compiled.model.config.num_hidden_layers
+    linear_calls = sum(n for name, n in calls.items() if name in ("genscore_cpu::packed_linear", "mkldnn::_linear_pointwise"))
+    assert linear_calls == 4 * layers + 1, calls  # query/key/value, output, gate/up, down; the head
+    if compiled.plan.attention_kernel != CPU_VARLEN:
+        pytest.skip(f"the CPU attention kernel is not this machine's plan ({compiled.plan.attention_kernel})")
+    assert calls.get("genscore_cpu::varlen_attention") == layers, calls
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in calls, calls
 
 
 def test_calls_with_a_cache_stay_eager(compiled, plain_models):

@@ -69,8 +69,9 @@ def test_a_member_without_a_bias_adds_nothing():
     group = FusedGroup([with_bias, without])
     x = torch.randn(4, 8)
     with torch.inference_mode():
-        torch.testing.assert_close(group.slice_for(x, 0), with_bias(x), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(group.slice_for(x, 1), without(x), atol=1e-5, rtol=1e-5)
+        tensors = group.packed_weight, group.bias
+        torch.testing.assert_close(group.slice_for(x, 0, *tensors), with_bias(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(group.slice_for(x, 1, *tensors), without(x), atol=1e-5, rtol=1e-5)
 
 
 def test_a_loaded_llama_runs_its_projections_fused_with_the_plain_numbers(tiny_model_dirs):
