@@ -195,8 +195,8 @@ def packed_sdpa_attention(
     spanned = past > 0 or row.spans is not None  # queries that also read keys outside their own segment
     groups = getattr(module, "num_key_value_groups", 1)
     if torch.compiler.is_compiling() and not spanned:
-        # A compiled layer (models/compiled.py) calls the per-prompt loop below as one opaque op: its Python
-        # loop over boundaries would otherwise break the graph in every layer.
+        # A compiled layer (models/compiled.py) calls one opaque op with the boundaries as a tensor: the row's host
+        # list of them would make the graph guard on every batch's lengths.
         return packed_attention(query, key, value, attention_mask, boundaries, groups, kwargs.get("scaling"),
                                 kwargs.get("dropout") or 0.0, kwargs.get("sliding_window"), row.kernel), None
     if not spanned:

@@ -7,10 +7,10 @@ clients that disconnect midway, and account for every request.
 
 Phases: (1) every distinct request of the pool is sent alone, one at a time: its answer is the reference;
 (2) a closed loop measures capacity (requests/s); (3) open-loop arrivals at `factor` x capacity (at most
-`max-rate` a second) for `duration` seconds, a `disconnect` fraction of them abandoned by their client after a random short wait. Every request ends
-in exactly one bucket: 200 (its numbers are compared with its reference), 503/429 (refused: queue full), 504
-(deadline passed in the queue), abandoned (the client left first), error (any other status or a transport error),
-or lost (no answer within --client-timeout). Exit status 1 when any request is lost, wrong or an error.
+`max-rate` a second) for `duration` seconds, a `disconnect` fraction of them abandoned by their client after a
+random short wait. Every request ends in exactly one bucket: 200 (its numbers are compared with its reference),
+503/429 (refused: queue full), 504 (deadline passed in the queue), abandoned (the client left first), error (any
+other status or a transport error), or lost (no answer within --client-timeout). Exit status 1 when any request is lost, wrong or an error.
 """
 
 from __future__ import annotations
@@ -267,8 +267,8 @@ async def run(url: str, args) -> int:
     print(f"\nserver: {url}   pool: {args.pool} distinct requests ({sum(len(b.get('items') or [0]) for b in pool)} "
           f"prompts), each checked against its answer alone (tolerance {args.tolerance:g})")
     print(f"capacity (closed loop, {args.concurrency} clients): {capacity:.1f} requests/s; overload: Poisson arrivals "
-          f"at {args.factor:g} x capacity = {rate:.1f}/s (at most {args.max_rate:g}) for {args.duration:g} s, {args.disconnect:.0%} of clients "
-          "leave after 0.02-1 s\n")
+          f"at {args.factor:g} x capacity = {rate:.1f}/s (at most {args.max_rate:g}) for {args.duration:g} s, "
+          f"{args.disconnect:.0%} of clients leave after 0.02-1 s\n")
     print(HEADER)
     print(capacity_tally.row("capacity", capacity_s))
     print(overload_tally.row(f"{args.factor:g}x overload", overload_s))
