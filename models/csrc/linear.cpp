@@ -5,8 +5,9 @@
 // memory once per chunk of rows (a decode step's few rows are bound by that read).
 // Built by models/attention_cpu.py with the other CPU kernels; only the avx512 build holds the kernel.
 //
-// Numbers: products summed in float32 over the whole input in order, the bias added in float32, one rounding to
-// the output dtype at the end (as oneDNN rounds once), so a row's result never depends on the other rows.
+// Numbers: products summed in float32 over the whole input in order (float32: in runs of 64 inputs, each run's sum
+// added to the total in order), the bias added in float32, one rounding to the output dtype at the end (as oneDNN
+// rounds once), so a row's result never depends on the other rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -76,27 +77,43 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
   }
 }
 
-// The same for float32, one input a step (`steps` = in).
+// The same for float32, one input a step (`steps` = in). The registers sum runs of kRunSteps inputs and each run's
+// sum joins the row's total in memory: a float32 sum's rounding error grows with the number of terms added to one
+// accumulator, and float32 must stay within the self-check's bound on models with wide inputs.
+constexpr int64_t kRunSteps = 64;
+
 template <int Rows>
 void f32_tile(const float* x, int64_t ldx, const float* block, int64_t steps, const float* bias, float* y,
               int64_t ldy) {
-  __m512 acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < steps; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(block + k * kBlock);  // columns 0-15, input k
-    const __m512 w1 = _mm512_loadu_ps(block + k * kBlock + 16);  // columns 16-31
+  alignas(64) float total[Rows][kBlock];  // [Rows, 32], the runs' sums so far
+  for (int64_t k0 = 0; k0 < steps; k0 += kRunSteps) {
+    const int64_t k1 = std::min(steps, k0 + kRunSteps);
+    __m512 acc[Rows][2];
+    for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 w0 = _mm512_loadu_ps(block + k * kBlock);  // columns 0-15, input k
+      const __m512 w1 = _mm512_loadu_ps(block + k * kBlock + 16);  // columns 16-31
 #pragma GCC unroll 14
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 v = _mm512_set1_ps(x[r * ldx + k]);  // row r's input k, in every lane
+        acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+      }
+    }
     for (int r = 0; r < Rows; ++r) {
-      const __m512 v = _mm512_set1_ps(x[r * ldx + k]);  // row r's input k, in every lane
-      acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+      if (k0 > 0) {
+        acc[r][0] = _mm512_add_ps(_mm512_load_ps(total[r]), acc[r][0]);
+        acc[r][1] = _mm512_add_ps(_mm512_load_ps(total[r] + 16), acc[r][1]);
+      }
+      _mm512_store_ps(total[r], acc[r][0]);
+      _mm512_store_ps(total[r] + 16, acc[r][1]);
     }
   }
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   for (int r = 0; r < Rows; ++r) {
-    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r][0], b0));
-    _mm512_storeu_ps(y + r * ldy + 16, _mm512_add_ps(acc[r][1], b1));
+    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_load_ps(total[r]), b0));
+    _mm512_storeu_ps(y + r * ldy + 16, _mm512_add_ps(_mm512_load_ps(total[r] + 16), b1));
   }
 }
 
