@@ -325,10 +325,9 @@ def packed_attention(
         return packed_sdpa_attention(_AttentionLayer(key_value_groups), query, key, value, attention_mask,
                                      cu_seq_lens_q=boundaries, scaling=scaling, dropout=dropout)[0]
     bounds = boundaries.tolist()
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    cu_seqlens = boundaries.to(device=query.device, dtype=torch.int32)
-    return segment_attention(query, key, value, attention_mask, cu_seqlens, bounds, longest, key_value_groups,
-                             scaling, window, kernel)
+    row = packed_row(query.device, kernel, [b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return segment_attention(query, key, value, attention_mask, row.cu_seqlens, list(row.bounds), row.max_length,
+                             key_value_groups, scaling, window, kernel)
 
 
 @packed_attention.register_fake

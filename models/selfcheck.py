@@ -174,7 +174,7 @@ class _Checker:
         return False
 
 
-def _prepacked(checker: _Checker, batch_invariant: bool, compile: bool, cache_dir: Path | None) -> None:
+def _prepacked(checker: _Checker, batch_invariant: bool, cache_dir: Path | None) -> None:
     """Pre-packed linear weights in the body and (unless batch-invariant) a pre-packed copy of lm_head, for genscore's
     linear where it serves them (built or loaded from cache_dir first), else for oneDNN's; then those that read one
     input fused (_fused, from the original weights, dropped after it)."""
@@ -547,7 +547,7 @@ def install_fast_paths(model: PreTrainedModel, vocab_size: int, max_length: int,
         raise RuntimeError(f"genscore cannot read this model's logits the way its own forward does: {head.reason}")
     checker.record(head)
 
-    _guarded(checker, "prepacked_linears", _prepacked, batch_invariant, compile, cache_dir)
+    _guarded(checker, "prepacked_linears", _prepacked, batch_invariant, cache_dir)
     original_attention = model.config._attn_implementation
     _guarded(checker, "packed_batches", _layout)
     _guarded(checker, VARLEN_PATH, _varlen, batch_invariant, cache_dir)

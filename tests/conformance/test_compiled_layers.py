@@ -32,11 +32,19 @@ def compiled(tiny_model_dirs, tmp_path_factory):
     uncompile_layers(loaded.model)
 
 
-def _compiled_regions(run) -> int:
-    """How many compiled-graph calls `run` makes."""
+def _op_calls(run) -> dict[str, int]:
+    """How many times `run` calls each op, by name."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    return sum(1 for event in prof.events() if event.name.startswith("Torch-Compiled Region"))
+    calls: dict[str, int] = {}
+    for event in prof.events():
+        calls[event.name] = calls.get(event.name, 0) + 1
+    return calls
+
+
+def _compiled_regions(run) -> int:
+    """How many compiled-graph calls `run` makes."""
+    return sum(n for name, n in _op_calls(run).items() if name.startswith("Torch-Compiled Region"))
 
 
 def test_compiled_layers_pass_the_self_check(compiled):
@@ -60,16 +68,6 @@ def test_packed_calls_run_compiled_and_equal_the_plain_forward(compiled, plain_m
         torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=0)
     # every layer and every pack length above ran the one graph
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-
-
-def _op_calls(run) -> dict[str, int]:
-    """How many times `run` calls each op, by name."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    calls: dict[str, int] = {}
-    for event in prof.events():
-        calls[event.name] = calls.get(event.name, 0) + 1
-    return calls
 
 
 def test_compiled_layers_keep_the_fused_linears_and_the_attention_kernel(compiled):
