@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -220,15 +221,92 @@ at::Tensor varlen_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out;
 }
 
-// The D values at p as float32: bfloat16 widened, float32 copied (both vectorised by the compiler).
+constexpr int64_t kHeadTile = 4;  // query heads of one key/value head computed together in decode_all
+// Key and value rows fetched ahead of use: a decode step reads each layer's cache once, so its rows come from memory,
+// and a work item's few rows are too short a stream for the hardware prefetcher to hide that.
+constexpr int64_t kAhead = 8;
+
+// The row of D values at p as float32 vectors (bfloat16 widened).
 template <typename T, int64_t D>
-inline void widen(const T* p, float* out) {
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]);
+inline void load_row(const T* p, vec* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    __builtin_memcpy(out, p, D * sizeof(float));
+  } else {
+    float row[D];
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(p[d]);
+    __builtin_memcpy(out, row, D * sizeof(float));
+  }
+}
+
+// Ask for the cache lines of the row at p before it is read.
+template <typename T, int64_t D>
+inline void fetch_row(const T* p) {
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + byte);
+}
+
+inline float lane_sum(const vec& v) {
+  float total = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+  return total;
+}
+
+// R query heads (queries [R][D], scaled) against `length` key rows: out rows [R] of D. Scores, softmax and the
+// weighted sum in float32; each key and value row is loaded once for the R heads.
+template <typename T, int64_t D, int64_t R>
+void decode_heads(const float (*queries)[D], const T* keys, int64_t key_step, const T* values, int64_t value_step,
+                  int64_t length, T* out, int64_t out_step, std::vector<float>& scores) {
+  constexpr int64_t C = D / kLanes;
+  scores.resize(R * length);
+  vec q[R][C];
+  for (int64_t r = 0; r < R; ++r) __builtin_memcpy(q[r], queries[r], sizeof(q[r]));
+  for (int64_t j = 0; j < std::min(kAhead, length); ++j) {
+    fetch_row<T, D>(keys + j * key_step);
+    fetch_row<T, D>(values + j * value_step);
+  }
+  for (int64_t j = 0; j < length; ++j) {  // scores [r, j] = q_r . k_j; the values are fetched here for the sum below
+    if (j + kAhead < length) {
+      fetch_row<T, D>(keys + (j + kAhead) * key_step);
+      fetch_row<T, D>(values + (j + kAhead) * value_step);
+    }
+    vec k[C];
+    load_row<T, D>(keys + j * key_step, k);
+    for (int64_t r = 0; r < R; ++r) {
+      vec acc = q[r][0] * k[0];
+      for (int64_t c = 1; c < C; ++c) acc += q[r][c] * k[c];
+      scores[r * length + j] = lane_sum(acc);
+    }
+  }
+  float inverse[R];
+  for (int64_t r = 0; r < R; ++r) {  // softmax over the row's keys
+    float* p = scores.data() + r * length;
+    const float top = *std::max_element(p, p + length);
+    float total = 0.f;
+    for (int64_t j = 0; j < length; ++j) {
+      p[j] = std::exp(p[j] - top);
+      total += p[j];
+    }
+    inverse[r] = 1.f / total;
+  }
+  vec acc[R][C] = {};
+  for (int64_t j = 0; j < length; ++j) {  // acc [r] += p [r, j] v_j
+    vec v[C];
+    load_row<T, D>(values + j * value_step, v);
+    for (int64_t r = 0; r < R; ++r) {
+      const float p = scores[r * length + j];
+      for (int64_t c = 0; c < C; ++c) acc[r][c] += p * v[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* o = out + r * out_step;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d / kLanes][d % kLanes] * inverse[r]);
+  }
 }
 
 // One decode step's attention: per row b and query head, its one query against the last lengths[b] key columns of
 // that row (its real tokens; the left padding before them is never read), in float32 as varlen_attention computes.
-// The query heads that share a key/value head are one work item, so each key and value row is read once for them.
+// The query heads that share a key/value head are one work item, taken kHeadTile at a time, so each key and value
+// row is read once for them.
 template <typename T, int64_t D>
 void decode_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
                 const int64_t* lengths, float scale) {
@@ -239,47 +317,29 @@ void decode_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const T* v = value.data_ptr<T>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> queries(group * D), scores, acc(group * D), inverse(group);
-    float row[D];
+    std::vector<float> scores;
+    float queries[kHeadTile][D];
     for (int64_t x = first; x < last; ++x) {
       const int64_t b = x / kv_heads, kv = x % kv_heads, length = lengths[b], start = width - length;
       const T* keys = k + b * key.stride(0) + kv * key.stride(1) + start * key.stride(2);
       const T* values = v + b * value.stride(0) + kv * value.stride(1) + start * value.stride(2);
-      for (int64_t r = 0; r < group; ++r) {
-        widen<T, D>(q + b * query.stride(0) + (kv * group + r) * query.stride(1), queries.data() + r * D);
-        for (int64_t d = 0; d < D; ++d) queries[r * D + d] *= scale;
-      }
-      scores.resize(group * length);
-      for (int64_t j = 0; j < length; ++j) {  // scores [r, j] = q_r . k_j
-        widen<T, D>(keys + j * key.stride(2), row);
-        for (int64_t r = 0; r < group; ++r) {
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += queries[r * D + d] * row[d];
-          scores[r * length + j] = s;
+      for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
+        const int64_t tile = std::min(kHeadTile, group - h0), h = kv * group + h0;
+        for (int64_t r = 0; r < tile; ++r) {
+          const T* qr = q + b * query.stride(0) + (h + r) * query.stride(1);
+          for (int64_t d = 0; d < D; ++d) queries[r][d] = static_cast<float>(qr[d]) * scale;
         }
-      }
-      for (int64_t r = 0; r < group; ++r) {  // softmax over the row's keys
-        float* p = scores.data() + r * length;
-        const float top = *std::max_element(p, p + length);
-        float total = 0.f;
-        for (int64_t j = 0; j < length; ++j) {
-          p[j] = std::exp(p[j] - top);
-          total += p[j];
+        T* out_rows = o + b * out.stride(0) + h * out.stride(1);
+        const auto run = [&](auto heads_in_tile) {
+          decode_heads<T, D, decltype(heads_in_tile)::value>(queries, keys, key.stride(2), values, value.stride(2),
+                                                              length, out_rows, out.stride(1), scores);
+        };
+        switch (tile) {
+          case 1: run(std::integral_constant<int64_t, 1>{}); break;
+          case 2: run(std::integral_constant<int64_t, 2>{}); break;
+          case 3: run(std::integral_constant<int64_t, 3>{}); break;
+          default: run(std::integral_constant<int64_t, 4>{}); break;
         }
-        inverse[r] = 1.f / total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < length; ++j) {  // acc [r] += p [r, j] v_j
-        widen<T, D>(values + j * value.stride(2), row);
-        for (int64_t r = 0; r < group; ++r) {
-          const float p = scores[r * length + j];
-          float* a = acc.data() + r * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
-        }
-      }
-      for (int64_t r = 0; r < group; ++r) {
-        T* out_row = o + b * out.stride(0) + (kv * group + r) * out.stride(1);
-        for (int64_t d = 0; d < D; ++d) out_row[d] = static_cast<T>(acc[r * D + d] * inverse[r]);
       }
     }
   });

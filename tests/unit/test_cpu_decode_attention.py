@@ -25,12 +25,12 @@ def kernel():
     return torch.ops.genscore_cpu.decode_attention
 
 
-def _padded_case(dtype, head_dim, kv_heads, lengths, capacity=50, seed=0):
+def _padded_case(dtype, head_dim, kv_heads, lengths, capacity=50, seed=0, heads=4):
     """query [B, H, 1, D]; key, value [B, H_kv, W, D] as views of buffers with room for `capacity` columns, each row's
     real keys its last `lengths[b]` columns and random numbers (not zeros) in its padding."""
     generator = torch.Generator().manual_seed(seed)
     rows, width = len(lengths), max(lengths)
-    query = (torch.randn(rows, 4, 1, head_dim, generator=generator) * 2).to(dtype)
+    query = (torch.randn(rows, heads, 1, head_dim, generator=generator) * 2).to(dtype)
     keys = (torch.randn(rows, kv_heads, capacity, head_dim, generator=generator) * 2).to(dtype)[:, :, :width]
     values = torch.randn(rows, kv_heads, capacity, head_dim, generator=generator).to(dtype)[:, :, :width]
     return query, keys, values, torch.tensor(lengths)
@@ -46,11 +46,13 @@ def _reference(query, keys, values, lengths, scale=None):
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_each_row_attends_to_its_own_keys_in_float32(kernel, head_dim, kv_heads):
-    case = _padded_case(torch.float32, head_dim, kv_heads, [1, 7, 33, 40, 16, 39])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1), (9, 3), (6, 1)],
+                         ids=["mha", "gqa", "mqa", "groups-of-3", "a-group-of-6"])
+def test_each_row_attends_to_its_own_keys_in_float32(kernel, head_dim, heads, kv_heads):
+    """Groups of every size: the kernel takes a key/value head's query heads a few at a time."""
+    case = _padded_case(torch.float32, head_dim, kv_heads, [1, 7, 33, 40, 16, 39], heads=heads)
     got = attention_cpu.decode_attention_cpu(*case, None)
-    assert got.shape == (6, 1, 4, head_dim) and got.dtype == torch.float32
+    assert got.shape == (6, 1, heads, head_dim) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _reference(*case), atol=1e-5, rtol=0)
 
 
