@@ -14,7 +14,7 @@ import torch
 from bench.attention_cpu import ms_per_call
 from models.attention_cpu import build_error
 from models.cpu_features import describe_cpu
-from models.prepack import kernel_refusal
+from models.prepack import kernel_refusal, onednn_packed
 
 ROWS = (1, 4, 8, 16, 32, 64, 128, 512, 1224)
 
@@ -38,7 +38,7 @@ def main() -> None:
     # a layer's Q/K/V and gate/up fused (models/fused_linears.py), its output and down projections; then the head
     shapes = [(h + 2 * args.kv, h), (2 * i, h), (h, h), (h, i)] * args.layers + [(args.vocab, h)]
     weights = [torch.randn(out, features).to(dtype) for out, features in shapes]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights]
+    onednn = [onednn_packed(w) for w in weights]
     blocks = [torch.ops.genscore_cpu.pack_linear_weight(w) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"{describe_cpu()}, {args.dtype}, {args.threads} threads, "

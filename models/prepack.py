@@ -53,6 +53,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     step = _STEPS.get(weight.dtype)
     if step and out % BLOCK == 0 and features % step == 0 and kernel_refusal(weight.dtype) is None:
         return torch.ops.genscore_cpu.pack_linear_weight(weight)
+    return onednn_packed(weight)
+
+
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, for mkldnn's linear."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
 
 
