@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test test-avx2 image test-image bench bench-peers clean
+.PHONY: install serve test test-avx2 wheel image test-image bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: install
 # own instruction-set caps, which genscore's CPU checks (models/cpu_features.py) follow.
 test-avx2: install
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(ARGS)
+
+# A wheel in dist/ that carries the CPU kernels built ahead for every x86-64 instruction set (setup.py), so that a
+# server installed from it starts without compiling; builds already in KERNEL_CACHE are reused.
+KERNEL_CACHE ?= $(HOME)/.cache/genscore
+wheel: install
+	GENSCORE_WHEEL_KERNELS=$(KERNEL_CACHE) $(BIN)/pip wheel --no-build-isolation --no-deps --wheel-dir dist .
 
 # The CPU container image with podman, from a fresh machine (root: installs podman and debootstrap,
 # builds the Debian base); IMAGE=... names it. See docs/users/deployment.md, "Build with podman".
@@ -64,4 +70,4 @@ bench-peers: install
 	$(if $(filter vllm,$(PEERS)),bash bench/install_vllm.sh)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,7 +1,7 @@
 """genscore's CPU attention kernels (models/csrc/varlen_attention.cpp): the packed-attention op, one call per layer over
 the whole packed row, causal inside each segment; and a decode step's attention, each row's query against its own
-keys only. Built for the machine's instruction set (just in time, or ahead by `genscore build-kernels`) and cached;
-they refuse what they cannot honour."""
+keys only. Built for the machine's instruction set (just in time, ahead by `genscore build-kernels`, or shipped in a wheel
+by `make wheel`) and cached; they refuse what they cannot honour."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ CPU_VARLEN = "cpu_varlen"  # the kernel name a ForwardPlan's attention_kernel an
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("varlen_attention.cpp", "linear.cpp"))
 # Where the built kernel is kept, under the cache directory: the next start loads it without compiling.
 EXTENSIONS = "extensions"
+# Where a wheel made by `make wheel` carries its builds made ahead (setup.py), one per instruction set.
+SHIPPED = Path(__file__).parent / "kernels"
 _DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dimensions the source instantiates
 # Longer segments run the per-segment loop: there SDPA's flash kernel, which blocks queries and keys for its GEMMs,
@@ -108,13 +110,20 @@ def built_library(target: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / EXTENSIONS / name / f"{name}.so"
 
 
+def shipped_library(target: str) -> Path:
+    """Where a wheel carries its build for `target`; only a wheel made for this torch has one of this name."""
+    return SHIPPED / f"{build_name(target)}.so"
+
+
 def _load_or_build(target: str, cache_dir: Path | None) -> None:
-    """Load the build for `target` into torch.ops (compiling it first where `cache_dir` holds none)."""
+    """Load the build for `target` into torch.ops: the wheel's, else the cache directory's (compiling it first where
+    `cache_dir` holds none)."""
     name = build_name(target)
     built = None if cache_dir is None else built_library(target, cache_dir)
-    if built is not None and built.exists():
-        torch.ops.load_library(str(built))  # the name says it is this source for this target: no build check
-        return
+    for ready in (shipped_library(target), built):
+        if ready is not None and ready.exists():
+            torch.ops.load_library(str(ready))  # the name says it is this source for this target: no build check
+            return
     from torch.utils.cpp_extension import _get_build_directory, load
 
     _put_ninja_on_path()

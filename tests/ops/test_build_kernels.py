@@ -1,5 +1,6 @@
 """`genscore build-kernels`: the CPU attention kernel built ahead for each instruction set (as the Dockerfile's build
-stage does), then loaded, with no compiler, by a process of each instruction set this CPU runs, with SDPA's numbers."""
+stage does), then loaded, with no compiler, by a process of each instruction set this CPU runs, with SDPA's numbers;
+and `make wheel`'s wheel, which carries those builds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import pytest
 from app.cli import main
 from models import attention_cpu
 from tests.ops.test_warm_cache import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
@@ -49,11 +53,12 @@ print(cpu_target(), worst)
 """
 
 
-def _check(target: str, cache_dir: Path) -> subprocess.CompletedProcess:
-    """CHECK as a process of `target`'s instruction set whose compiler always fails: only a build made ahead serves."""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=CAPABILITY[target], CXX="false")
+def _check(target: str, cache_dir: Path, code: Path = REPO) -> subprocess.CompletedProcess:
+    """CHECK as a process of `target`'s instruction set, with genscore's packages from `code`, whose compiler always
+    fails: only a build made ahead serves."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=CAPABILITY[target], CXX="false", PYTHONPATH=str(code))
     return subprocess.run([sys.executable, "-c", CHECK, str(cache_dir)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+                          timeout=300, cwd=code)
 
 
 def _runnable_targets() -> list[str]:
@@ -94,6 +99,42 @@ def test_another_targets_build_is_not_loaded(built_ahead, tmp_path):
     result = _check(_runnable_targets()[-1], tmp_path)
     assert result.returncode != 0
     assert "could not be built" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built_ahead, tmp_path_factory) -> Path:
+    """`make wheel` from a copy of the source tree, taking the builds `built_ahead` holds rather than compiling."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"
+    for package in ("app", "models", "sampler"):
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "kernels"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    env = dict(os.environ, GENSCORE_WHEEL_KERNELS=str(built_ahead))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
+                    "--wheel-dir", str(work / "dist"), str(source)], env=env, check=True, timeout=600, cwd=work)
+    (built,) = (work / "dist").glob("*.whl")
+    return built
+
+
+def test_the_wheel_carries_a_build_for_every_target_and_names_its_platform(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for target in attention_cpu.ahead_targets():
+        assert f"models/kernels/{attention_cpu.build_name(target)}.so" in names, target
+    assert "models/csrc/varlen_attention.cpp" in names  # the builds' names hash their sources
+    assert wheel.name.startswith("genscore-0.1.0-py3-none-") and not wheel.name.endswith("-any.whl")
+
+
+def test_a_server_installed_from_the_wheel_loads_its_kernels_without_a_compiler(wheel, tmp_path):
+    installed, empty_cache = tmp_path / "site-packages", tmp_path / "cache"
+    zipfile.ZipFile(wheel).extractall(installed)
+    empty_cache.mkdir()
+    result = _check(attention_cpu.cpu_target(), empty_cache, code=installed)
+    assert result.returncode == 0, result.stderr[-2000:]
+    served, worst = result.stdout.split()
+    assert served == attention_cpu.cpu_target()
+    assert float(worst) < 1e-5
+    assert not any(empty_cache.iterdir())  # nothing was built
 
 
 def test_cpu_target_follows_atens_capability(monkeypatch):
