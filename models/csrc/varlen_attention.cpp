@@ -42,6 +42,31 @@ inline vec load(const float* p) {
 
 inline void store(float* p, const vec& v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 
+typedef uint32_t bits __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t half_bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// A row of D results, rows[c] * factor, stored as T. bfloat16 is rounded as c10::BFloat16 rounds (to nearest even,
+// NaN to 0x7FC0), a vector at a time: converting element by element costs as much as the attention's sums.
+template <typename T, int64_t D>
+inline void store_row(T* out, const vec* rows, float factor) {
+  for (int64_t c = 0; c < D / kLanes; ++c) {
+    const vec x = rows[c] * factor;
+    if constexpr (std::is_same_v<T, float>) {
+      store(out + c * kLanes, x);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      bits u;
+      __builtin_memcpy(&u, &x, sizeof(u));
+      bits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+      const bits nan = (bits)(x != x);  // all ones in the lanes that hold NaN
+      rounded = (rounded & ~nan) | (0x7FC0u & nan);
+      const half_bits narrow = __builtin_convertvector(rounded, half_bits);
+      __builtin_memcpy(out + c * kLanes, &narrow, sizeof(narrow));
+    } else {
+      for (int64_t l = 0; l < kLanes; ++l) out[c * kLanes + l] = static_cast<T>(x[l]);
+    }
+  }
+}
+
 // Queries [begin, end) of one segment and one query head. Its own keys: keys_t [D, stride], the head's keys
 // transposed, the segment's first key at column 0, zeros past the last row; values [., D] likewise. Its span (keys it
 // reads in full before its own, span_length of them, none when 0): span_keys_t and span_values, laid out the same.
@@ -119,10 +144,7 @@ void attend(const T* q, int64_t q_step, const float* keys_t, const float* values
       for (int64_t c = 0; c < D / kLanes; ++c) acc[r][c] = vec{};
     weigh(span_values, 0, span_length, 0);
     weigh(values, first, last, span_width);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* o = out + (i0 + r) * out_step;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d / kLanes][d % kLanes] * inverse[r]);
-    }
+    for (int64_t r = 0; r < rows; ++r) store_row<T, D>(out + (i0 + r) * out_step, acc[r], inverse[r]);
   }
 }
 
@@ -297,10 +319,7 @@ void decode_heads(const float (*queries)[D], const T* keys, int64_t key_step, co
       for (int64_t c = 0; c < C; ++c) acc[r][c] += p * v[c];
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    T* o = out + r * out_step;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d / kLanes][d % kLanes] * inverse[r]);
-  }
+  for (int64_t r = 0; r < R; ++r) store_row<T, D>(out + r * out_step, acc[r], inverse[r]);
 }
 
 // One decode step's attention: per row b and query head, its one query against the last lengths[b] key columns of

@@ -63,6 +63,14 @@ def test_bfloat16_within_its_rounding_and_a_scale(kernel):
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
 
+def test_bfloat16_results_are_the_float32_ones_rounded_to_nearest_even(kernel):
+    """As varlen_attention: float32 sums of the bfloat16 values, each result rounded as torch rounds to bfloat16."""
+    query, keys, values, lengths = _padded_case(torch.bfloat16, 64, 2, [3, 25, 12], heads=6)
+    got = attention_cpu.decode_attention_cpu(query, keys, values, lengths, 0.2)
+    in_float32 = attention_cpu.decode_attention_cpu(query.float(), keys.float(), values.float(), lengths, 0.2)
+    assert torch.equal(got.view(torch.int16), in_float32.bfloat16().view(torch.int16))
+
+
 def test_a_row_gives_the_same_bits_whatever_its_neighbours(kernel):
     """A row reads its own columns only, not its neighbours' nor the padding they leave it."""
     query, keys, values, lengths = _padded_case(torch.float32, 16, 2, [9, 30, 17])

@@ -80,6 +80,20 @@ def test_the_kernel_reads_strided_layouts_and_bfloat16(kernel):
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
 
+def test_bfloat16_results_are_the_float32_ones_rounded_to_nearest_even(kernel):
+    """bfloat16 inputs are summed in float32 exactly as float32 inputs of the same values are, and each result is
+    rounded as torch rounds float32 to bfloat16; a query that holds NaN gives NaN."""
+    generator = torch.Generator().manual_seed(5)
+    bounds = torch.tensor([0, 7, 40, 41, 90])
+    q, k, v = (torch.randn(90, heads, 64, generator=generator).bfloat16() for heads in (6, 2, 2))  # [T, H, D]
+    q[3, 1, 5] = float("nan")
+    got = kernel(q, k, v, bounds, None, 0.125, 0, 0)
+    in_float32 = kernel(q.float(), k.float(), v.float(), bounds, None, 0.125, 0, 0).bfloat16()
+    nan = in_float32.isnan()
+    assert nan[3, 1].all() and nan.sum() == 64 and got.isnan().equal(nan)
+    assert torch.equal(got.view(torch.int16)[~nan], in_float32.view(torch.int16)[~nan])
+
+
 def test_a_segment_gives_the_same_bits_whatever_its_neighbours(kernel):
     """Each query reads only its own segment's keys, in an order fixed by its own position."""
     generator = torch.Generator().manual_seed(3)
