@@ -80,25 +80,9 @@ void attend(const T* q, int64_t q_step, const float* keys_t, const float* values
   const int64_t width = span_width + (end + kLanes - 1) / kLanes * kLanes;
   scores.resize(kRows * width);
   float query[kRows][D];
-  // scores [r, offset + j) = Q K^T for keys [from, to) of keys_t, in blocks of kLanes keys: two blocks at a time
-  // where two remain, so that eight sums are in flight (four, one per query, wait on the FMA's latency), then one
+  // scores [r, offset + j) = Q K^T for keys [from, to) of keys_t, one block of kLanes keys at a time
   auto score = [&](const float* kt, int64_t from, int64_t to, int64_t offset) {
-    int64_t jb = from;
-    for (; jb + kLanes < to; jb += 2 * kLanes) {
-      vec acc[kRows][2] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const vec k0 = load(kt + d * stride + jb), k1 = load(kt + d * stride + jb + kLanes);
-        for (int64_t r = 0; r < kRows; ++r) {
-          acc[r][0] += query[r][d] * k0;
-          acc[r][1] += query[r][d] * k1;
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r) {
-        store(scores.data() + r * width + offset + jb, acc[r][0]);
-        store(scores.data() + r * width + offset + jb + kLanes, acc[r][1]);
-      }
-    }
-    for (; jb < to; jb += kLanes) {
+    for (int64_t jb = from; jb < to; jb += kLanes) {
       vec acc[kRows] = {};
       for (int64_t d = 0; d < D; ++d) {
         const vec k = load(kt + d * stride + jb);
