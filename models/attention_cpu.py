@@ -110,17 +110,13 @@ def built_library(target: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / EXTENSIONS / name / f"{name}.so"
 
 
-def shipped_library(target: str) -> Path:
-    """Where a wheel carries its build for `target`; only a wheel made for this torch has one of this name."""
-    return SHIPPED / f"{build_name(target)}.so"
-
-
 def _load_or_build(target: str, cache_dir: Path | None) -> None:
     """Load the build for `target` into torch.ops: the wheel's, else the cache directory's (compiling it first where
     `cache_dir` holds none)."""
     name = build_name(target)
     built = None if cache_dir is None else built_library(target, cache_dir)
-    for ready in (shipped_library(target), built):
+    # a wheel carries its builds under their names, so only a wheel made for this source and torch has this one
+    for ready in (SHIPPED / f"{name}.so", built):
         if ready is not None and ready.exists():
             torch.ops.load_library(str(ready))  # the name says it is this source for this target: no build check
             return
