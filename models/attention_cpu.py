@@ -49,7 +49,7 @@ TARGETS = {
 STALE_BUILD_S = 300
 
 _lock = threading.Lock()
-_built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded); "target"
+_built: dict[str, str | None] = {}  # "error": why the kernel could not be built (None: it is loaded); "target"; "path"
 
 
 def cpu_target() -> str:
@@ -93,7 +93,7 @@ def build_error(cache_dir: Path | None) -> str | None:
             return _built["error"]
         target = _built["target"] = cpu_target()
         try:
-            _load_or_build(target, cache_dir)
+            _built["path"] = str(_load_or_build(target, cache_dir))
             error = None if hasattr(torch.ops.genscore_cpu, "varlen_attention") else "the built library has no op"
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the loop stays
             error = f"genscore's CPU kernels could not be built: {type(exc).__name__}: {str(exc)[:300]}"
@@ -110,16 +110,21 @@ def built_library(target: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / EXTENSIONS / name / f"{name}.so"
 
 
-def _load_or_build(target: str, cache_dir: Path | None) -> None:
+def loaded_library() -> Path | None:
+    """The file this process loaded the kernels from; None before build_error() or where they could not be built."""
+    return Path(_built["path"]) if _built.get("error", "not built") is None else None
+
+
+def _load_or_build(target: str, cache_dir: Path | None) -> Path:
     """Load the build for `target` into torch.ops: the wheel's, else the cache directory's (compiling it first where
-    `cache_dir` holds none)."""
+    `cache_dir` holds none); the file it loaded."""
     name = build_name(target)
     built = None if cache_dir is None else built_library(target, cache_dir)
     # a wheel carries its builds under their names, so only a wheel made for this source and torch has this one
     for ready in (SHIPPED / f"{name}.so", built):
         if ready is not None and ready.exists():
             torch.ops.load_library(str(ready))  # the name says it is this source for this target: no build check
-            return
+            return ready
     from torch.utils.cpp_extension import _get_build_directory, load
 
     _put_ninja_on_path()
@@ -130,6 +135,7 @@ def _load_or_build(target: str, cache_dir: Path | None) -> None:
     log.info("building genscore's CPU kernels %s (cached after the first start)", name)
     load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*_FLAGS, *TARGETS[target]],
          is_python_module=False, build_directory=str(build_dir), verbose=False)
+    return build_dir / f"{name}.so"
 
 
 def clear_stale_lock(lock: Path, stale_after_s: float = STALE_BUILD_S, poll_s: float = 1.0) -> None:

@@ -59,8 +59,32 @@ def plain_tiny(plain_models):
 
 
 @pytest.fixture(scope="session")
-def default_model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("genscore-cache")
+def built_kernels() -> Path | None:
+    """The file of genscore's CPU kernels this test process loaded (built once per session where none was), or None
+    where they cannot be built here. A build takes about a minute: a server or command started with a fresh
+    --cache-dir is given this one (share_kernels) rather than building its own; `genscore build-kernels`'s tests
+    build theirs."""
+    from models import attention_cpu
+
+    attention_cpu.build_error(None)
+    return attention_cpu.loaded_library()
+
+
+def share_kernels(cache_dir: Path, built: Path | None) -> Path:
+    """`cache_dir`, created, with the session's kernel build linked in where a process given it as --cache-dir looks
+    for its build (a build of other sources or for another CPU has another name, and is built as before)."""
+    from models.attention_cpu import EXTENSIONS
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if built is not None:
+        (cache_dir / EXTENSIONS).mkdir(exist_ok=True)
+        (cache_dir / EXTENSIONS / built.stem).symlink_to(built.parent, target_is_directory=True)
+    return cache_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory, built_kernels) -> Path:
+    return share_kernels(tmp_path_factory.mktemp("genscore-cache"), built_kernels)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from app.batch_runner import BatchInputError, BatchOptions, run_batch
 from app.main import create_app
 from tests.api.conftest import RERANK_FORMAT, tiny_settings
-from tests.conftest import wait_ready
+from tests.conftest import share_kernels, wait_ready
 
 # fields that differ between any two answers of the same request
 _VOLATILE = {"id", "created", "request_id"}
@@ -154,14 +154,14 @@ async def test_shards_cover_every_line_exactly_once(tmp_path, settings, tiny_loa
     assert sorted(map(str, seen)) == sorted(map(str, [r["custom_id"] for r in rows] + [None]))
 
 
-def test_a_killed_process_resumes_with_each_custom_id_once(tmp_path, tiny_model_dirs):
+def test_a_killed_process_resumes_with_each_custom_id_once(tmp_path, tiny_model_dirs, built_kernels):
     rows = [{"custom_id": f"row-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": f"Line {i}: the", "max_tokens": 6, "temperature": 0}} for i in range(80)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "app.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
                "--concurrency", "2", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu",
-               "--cache-dir", str(tmp_path / "cache")]
+               "--cache-dir", str(share_kernels(tmp_path / "cache", built_kernels))]
     env = {**os.environ, "GENSCORE_LOG_LEVEL": "warning"}
     process = subprocess.Popen([*command], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.main import create_app
 from app.server import DrainingServer
 from tests.api.conftest import tiny_settings
-from tests.conftest import free_port, json_log_entries, wait_ready
+from tests.conftest import free_port, json_log_entries, share_kernels, wait_ready
 from tests.gates import wait_until
 from tests.reference import greedy_reference
 
@@ -92,8 +92,9 @@ class ServerProcess:
 
 
 @pytest.fixture
-def serve(tiny_model_dirs, tmp_path):
+def serve(tiny_model_dirs, tmp_path, built_kernels):
     started: list[ServerProcess] = []
+    share_kernels(tmp_path / "cache", built_kernels)
 
     def start(*flags: str) -> ServerProcess:
         server = ServerProcess(tiny_model_dirs["llama"], tmp_path, *flags)
