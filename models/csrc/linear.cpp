@@ -16,22 +16,18 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <unistd.h>
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;  // output columns per block: two vectors of 16 float32 accumulators
 constexpr int kMaxRows = 14;    // rows per tile: 28 accumulators + 2 weight vectors + 1 broadcast of 32 registers
-// Rows a chunk holds, by dtype: measured on the model's shapes, bfloat16 gains from chunks whose inputs stay in L2
-// while the weight's blocks pass, float32 runs faster with all rows in one chunk.
-template <typename T>
-constexpr int64_t kChunkRows = std::is_same_v<T, float> ? std::numeric_limits<int64_t>::max() : 8 * kMaxRows;
 
 int64_t step_of(at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "genscore's linear packs bfloat16 or float32 weights");
@@ -47,6 +43,21 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512F__)
+
+// Rows a chunk holds: chunks whose inputs stay in L2 while every block of the weight passes over them, rather than
+// inputs streamed from L3 once per block. bfloat16: eight tiles, measured on the model's shapes; float32: as many rows
+// as fill half of a core's L2, the other half holding the block and the outputs.
+int64_t chunk_rows(at::ScalarType dtype, int64_t in) {
+  if (dtype == at::kBFloat16) return 8 * kMaxRows;
+  static const int64_t l2_bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (reported > 0) return int64_t(reported);
+#endif
+    return int64_t(1) << 20;  // where the C library does not say
+  }();
+  return std::max<int64_t>(kMaxRows, l2_bytes / 2 / (in * int64_t(sizeof(float))));
+}
 
 // Ask for the cache lines of `next` (the block a tile computes after this one) at the offset this step reads of its
 // own block: a tile that rereads its block from cache then keeps memory streaming the next one.
@@ -146,10 +157,11 @@ template <typename T>
 void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
   static constexpr auto kTiles = tiles<T>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t block_size = in * kBlock;  // elements of one block
-  // Rows in chunks (kChunkRows) that every block of the weight passes over; within a chunk, tiles of equal size,
+  // Rows in chunks (chunk_rows) that every block of the weight passes over; within a chunk, tiles of equal size,
   // the block reread from cache after the first. Each thread takes a contiguous share, so it streams its part of
   // the weight in order.
-  const int64_t chunks = m <= kChunkRows<T> ? 1 : (m + kChunkRows<T> - 1) / kChunkRows<T>, blocks = out / kBlock;
+  const int64_t rows_per_chunk = chunk_rows(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16, in);
+  const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, blocks = out / kBlock;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t chunk = i / blocks, blk = i % blocks;

@@ -66,9 +66,9 @@ def test_float32_error_stays_small_on_a_wide_input(kernel, dtype):
 def test_a_rows_numbers_do_not_depend_on_its_neighbours(kernel, dtype):
     linear = _linear(576, 192, True, dtype)
     packed = kernel.pack_linear_weight(linear.weight.detach())
-    x = torch.randn(300, 576).to(dtype)
+    x = torch.randn(1000, 576).to(dtype)  # several chunks of rows in either dtype
     together = kernel.packed_linear(x, packed, linear.bias.detach())
-    for row in (0, 13, 14, 111, 299):
+    for row in (0, 13, 14, 111, 299, 500, 999):
         alone = kernel.packed_linear(x[row:row + 1], packed, linear.bias.detach())
         assert torch.equal(alone[0], together[row])
 
