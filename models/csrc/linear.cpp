@@ -1,8 +1,9 @@
 // genscore's linear for CPUs with AVX-512: y = x W^T + b with W packed once into blocks of 32 output columns, each
 // block's inputs in steps side by side ([out / 32, in / step, 32, step]): steps of two for bfloat16, the pairs the
 // vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). Each block's 32 columns are
-// accumulated in registers for up to 14 rows of x at a time over the whole input, so a weight byte is read from
-// memory once per chunk of rows (a decode step's few rows are bound by that read).
+// accumulated in registers for up to 14 rows of x at a time over the whole input (float32 calls of many rows: two
+// blocks for up to 6 rows), so a weight byte is read from memory once per chunk of rows (a decode step's few rows
+// are bound by that read).
 // Built by models/attention_cpu.py with the other CPU kernels; only the avx512 build holds the kernel.
 //
 // Numbers: products summed in float32 over the whole input in order (float32: in runs of 64 inputs, each run's sum
@@ -104,77 +105,97 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
 // accumulator, and float32 must stay within the self-check's bound on models with wide inputs.
 constexpr int64_t kRunSteps = 64;
 
-template <int Rows>
+// `Blocks` adjacent blocks at a time: float32 batches of many rows take tiles of kWideRows rows over two blocks (64
+// columns, 24 accumulators), where each input read feeds four vectors instead of two; with few rows the tall tiles
+// are faster, since a block is read from cache once per tile.
+template <int Rows, int Blocks>
 void f32_tile(const float* x, int64_t ldx, const float* block, int64_t steps, const float* bias, float* y,
               int64_t ldy, const float* next) {
-  alignas(64) float total[Rows][kBlock];  // [Rows, 32], the runs' sums so far
+  constexpr int kVectors = 2 * Blocks;  // of 16 columns, per row
+  const int64_t block_size = steps * kBlock;  // the next block's distance
+  alignas(64) float total[Rows][kVectors * 16];  // [Rows, 32 x Blocks], the runs' sums so far
   for (int64_t k0 = 0; k0 < steps; k0 += kRunSteps) {
     const int64_t k1 = std::min(steps, k0 + kRunSteps);
-    __m512 acc[Rows][2];
-    for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[Rows][kVectors];
+    for (int r = 0; r < Rows; ++r)
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      fetch_step(next, k * kBlock * 4);  // a step reads 32 float32
-      const __m512 w0 = _mm512_loadu_ps(block + k * kBlock);  // columns 0-15, input k
-      const __m512 w1 = _mm512_loadu_ps(block + k * kBlock + 16);  // columns 16-31
+      __m512 w[kVectors];  // input k's weights for the tile's columns
+      for (int b = 0; b < Blocks; ++b) {
+        if (next != nullptr) fetch_step(next + b * block_size, k * kBlock * 4);  // a step reads 32 float32 a block
+        w[2 * b] = _mm512_loadu_ps(block + b * block_size + k * kBlock);  // columns 0-15 of block b
+        w[2 * b + 1] = _mm512_loadu_ps(block + b * block_size + k * kBlock + 16);  // columns 16-31
+      }
 #pragma GCC unroll 14
       for (int r = 0; r < Rows; ++r) {
         const __m512 v = _mm512_set1_ps(x[r * ldx + k]);  // row r's input k, in every lane
-        acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+        for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_fmadd_ps(v, w[c], acc[r][c]);
       }
     }
     for (int r = 0; r < Rows; ++r) {
-      if (k0 > 0) {
-        acc[r][0] = _mm512_add_ps(_mm512_load_ps(total[r]), acc[r][0]);
-        acc[r][1] = _mm512_add_ps(_mm512_load_ps(total[r] + 16), acc[r][1]);
+      for (int c = 0; c < kVectors; ++c) {
+        if (k0 > 0) acc[r][c] = _mm512_add_ps(_mm512_load_ps(total[r] + 16 * c), acc[r][c]);
+        _mm512_store_ps(total[r] + 16 * c, acc[r][c]);
       }
-      _mm512_store_ps(total[r], acc[r][0]);
-      _mm512_store_ps(total[r] + 16, acc[r][1]);
     }
   }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   for (int r = 0; r < Rows; ++r) {
-    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_load_ps(total[r]), b0));
-    _mm512_storeu_ps(y + r * ldy + 16, _mm512_add_ps(_mm512_load_ps(total[r] + 16), b1));
+    for (int c = 0; c < kVectors; ++c) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
+      _mm512_storeu_ps(y + r * ldy + 16 * c, _mm512_add_ps(_mm512_load_ps(total[r] + 16 * c), b));
+    }
   }
 }
+
+constexpr int kWideRows = 6;  // rows per two-block tile: 24 accumulators + 4 weight vectors + 1 broadcast
+constexpr int64_t kWideFromRows = 512;  // float32 calls of this many rows take two-block tiles: measured on the model's
+                                        // shapes (even at 304 rows, faster at 608, slower at 152 and fewer)
 
 template <typename T>
 using Tile = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, const T*);
 
-// tiles<T>()[r - 1] computes r rows
+// tiles<T>()[r - 1] computes r rows of one block; kWideTiles[r - 1] r rows of two float32 blocks
 template <typename T, int... Rows>
 constexpr std::array<Tile<T>, sizeof...(Rows)> tiles(std::integer_sequence<int, Rows...>) {
   if constexpr (std::is_same_v<T, float>) {
-    return {{&f32_tile<Rows + 1>...}};
+    return {{&f32_tile<Rows + 1, 1>...}};
   } else {
     return {{&bf16_tile<Rows + 1>...}};
   }
 }
+template <int... Rows>
+constexpr std::array<Tile<float>, sizeof...(Rows)> wide_tiles(std::integer_sequence<int, Rows...>) {
+  return {{&f32_tile<Rows + 1, 2>...}};
+}
+constexpr auto kWideTiles = wide_tiles(std::make_integer_sequence<int, kWideRows>{});
 
 template <typename T>
 void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
   static constexpr auto kTiles = tiles<T>(std::make_integer_sequence<int, kMaxRows>{});
-  const int64_t block_size = in * kBlock;  // elements of one block
-  // Rows in chunks (chunk_rows) that every block of the weight passes over; within a chunk, tiles of equal size,
-  // the block reread from cache after the first. Each thread takes a contiguous share, so it streams its part of
-  // the weight in order.
+  const int64_t block_size = in * kBlock, blocks = out / kBlock;  // elements of one block; blocks
+  const Tile<T>* table = kTiles.data();
+  int64_t group = 1, max_rows = kMaxRows;  // blocks a tile computes, and its most rows
+  if constexpr (std::is_same_v<T, float>) {
+    if (m >= kWideFromRows && blocks % 2 == 0) table = kWideTiles.data(), group = 2, max_rows = kWideRows;
+  }
+  // Rows in chunks (chunk_rows) that every group of blocks passes over; within a chunk, tiles of equal size, the
+  // blocks reread from cache after the first. Each thread takes a contiguous share, so it streams its part of the
+  // weight in order.
   const int64_t rows_per_chunk = chunk_rows(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16, in);
-  const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, blocks = out / kBlock;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t first, int64_t last) {
+  const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, groups = blocks / group;
+  at::parallel_for(0, chunks * groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const int64_t chunk = i / blocks, blk = i % blocks;
+      const int64_t chunk = i / groups, blk = (i % groups) * group;  // the group's first block
       const int64_t c0 = chunk * m / chunks, rows_in_chunk = (chunk + 1) * m / chunks - c0;
-      const int64_t row_tiles = (rows_in_chunk + kMaxRows - 1) / kMaxRows;
-      // With several tiles, the last (reading its block from cache) fetches the block this thread computes next, so
-      // the next block's first tile finds it in cache; one tile streams its block in order, which the hardware
+      const int64_t row_tiles = (rows_in_chunk + max_rows - 1) / max_rows;
+      // With several tiles, the last (reading its blocks from cache) fetches the blocks this thread computes next,
+      // so the next group's first tile finds them in cache; one tile streams its blocks in order, which the hardware
       // prefetcher follows on its own.
-      const T* next = row_tiles > 1 && i + 1 < last ? w + ((i + 1) % blocks) * block_size : nullptr;
+      const T* next = row_tiles > 1 && i + 1 < last ? w + ((i + 1) % groups) * group * block_size : nullptr;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t r0 = c0 + t * rows_in_chunk / row_tiles, r1 = c0 + (t + 1) * rows_in_chunk / row_tiles;
-        kTiles[r1 - r0 - 1](x + r0 * in, in, w + blk * block_size, steps, bias ? bias + blk * kBlock : nullptr,
-                            y + r0 * out + blk * kBlock, out, t == row_tiles - 1 ? next : nullptr);
+        table[r1 - r0 - 1](x + r0 * in, in, w + blk * block_size, steps, bias ? bias + blk * kBlock : nullptr,
+                           y + r0 * out + blk * kBlock, out, t == row_tiles - 1 ? next : nullptr);
       }
     }
   });
