@@ -48,8 +48,9 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // Rows a chunk holds: chunks whose inputs stay in L2 while every block of the weight passes over them, rather than
 // inputs streamed from L3 once per block. bfloat16: eight tiles, measured on the model's shapes; float32: as many rows
 // as fill half of a core's L2, the other half holding the block and the outputs.
-int64_t chunk_rows(at::ScalarType dtype, int64_t in) {
-  if (dtype == at::kBFloat16) return 8 * kMaxRows;
+template <typename T>
+int64_t chunk_rows(int64_t in) {
+  if constexpr (!std::is_same_v<T, float>) return 8 * kMaxRows;
   static const int64_t l2_bytes = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
     const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -181,7 +182,7 @@ void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64
   // Rows in chunks (chunk_rows) that every group of blocks passes over; within a chunk, tiles of equal size, the
   // blocks reread from cache after the first. Each thread takes a contiguous share, so it streams its part of the
   // weight in order.
-  const int64_t rows_per_chunk = chunk_rows(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16, in);
+  const int64_t rows_per_chunk = chunk_rows<T>(in);
   const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, groups = blocks / group;
   at::parallel_for(0, chunks * groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
