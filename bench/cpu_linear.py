@@ -14,7 +14,7 @@ import torch
 from bench.attention_cpu import ms_per_call
 from models.attention_cpu import build_error
 from models.cpu_features import describe_cpu
-from models.prepack import kernel_refusal, onednn_packed
+from models.prepack import kernel_refusal, onednn_packed, packed_linear
 
 ROWS = (1, 4, 8, 16, 32, 64, 128, 512, 1224)
 
@@ -49,7 +49,7 @@ def main() -> None:
         x = {f: torch.randn(rows, f).to(dtype) for f in {h, i}}  # [rows, in]
         theirs = ms_per_call(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], w, None, "none", [], "")
                                           for w in onednn], args.repeats)
-        ours = ms_per_call(lambda x=x: [torch.ops.genscore_cpu.packed_linear(x[w.shape[1] * w.shape[3]], w, None)
+        ours = ms_per_call(lambda x=x: [packed_linear(x[w.shape[1] * w.shape[3]], w, None)
                                         for w in blocks], args.repeats)
         rate = rows * flops_per_row / 1e6  # MFLOP a pass; over ms: GFLOP/s
         print(f"| {rows} | {theirs:.2f} | {ours:.2f} | {rate / theirs:.0f} | {rate / ours:.0f} "

@@ -27,6 +27,18 @@ def cpu_flags() -> tuple[str, ...]:
     return tuple(flag for flag in _NAMED_FLAGS if flag in words)
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The vendor this CPU reports ("GenuineIntel", "AuthenticAMD"; Linux /proc/cpuinfo, "" elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def describe_cpu() -> str:
     """One phrase for logs: ATen's capability and the named flags, e.g. "AVX2; flags avx2"."""
     return f"ATen {cpu_capability()}; flags {' '.join(cpu_flags()) or 'unknown'}"

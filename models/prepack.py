@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.attention_cpu import cpu_target
-from models.cpu_features import bfloat16_packing_missing, cpu_flags, describe_cpu
+from models.cpu_features import bfloat16_packing_missing, cpu_flags, cpu_vendor, describe_cpu
 
 log = logging.getLogger("genscore.models")
 
@@ -71,8 +71,19 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if packed_weight.dim() == 4:  # genscore's blocks (out_features)
+        if packed_weight.dtype == torch.bfloat16 and widens_bfloat16():
+            x = x.float()  # the kernel widens the weight in registers and multiplies by FMA; the output is bfloat16
         return torch.ops.genscore_cpu.packed_linear(x, packed_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@functools.cache
+def widens_bfloat16() -> bool:
+    """Whether genscore's bfloat16 linear multiplies in float32 FMAs (inputs and weights widened) instead of by
+    vdpbf16ps: on Intel's cores vdpbf16ps issues at a quarter of the FMA rate, half FMA's flops, while AMD's Zen 4
+    runs it at twice FMA's flops (docs/users/performance.md). Decided by the CPU alone, so a server's numbers never
+    depend on a timing."""
+    return cpu_vendor() == "GenuineIntel"
 
 
 def cpu_refusal(dtype: torch.dtype) -> str | None:
@@ -110,7 +121,7 @@ def _blocks_error(dtype: torch.dtype) -> str | None:
     with torch.inference_mode():
         for rows in range(1, 43):
             x = torch.randn(rows, 64).to(dtype)
-            got = torch.ops.genscore_cpu.packed_linear(x, packed, linear.bias.detach()).float()
+            got = _linear(x, packed, linear.bias.detach()).float()
             want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
             if not torch.allclose(got, want, atol=tolerance, rtol=tolerance):
                 return f"genscore's linear disagrees with nn.Linear in {dtype} on {rows} rows"

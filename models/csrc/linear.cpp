@@ -1,6 +1,8 @@
 // genscore's linear for CPUs with AVX-512: y = x W^T + b with W packed once into blocks of 32 output columns, each
 // block's inputs in steps side by side ([out / 32, in / step, 32, step]): steps of two for bfloat16, the pairs the
-// vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). Each block's 32 columns are
+// vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). A bfloat16 weight also takes
+// float32 inputs: then each pair is widened to float32 in registers and multiplied by FMA, for CPUs whose vdpbf16ps
+// issues at a fraction of their FMA rate (models/prepack.py says which). Each block's 32 columns are
 // accumulated in registers for up to 14 rows of x at a time over the whole input (float32 calls of many rows: two
 // blocks for up to 6 rows), so a weight byte is read from memory once per chunk of rows (a decode step's few rows
 // are bound by that read).
@@ -46,11 +48,11 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 #if defined(__AVX512F__)
 
 // Rows a chunk holds: chunks whose inputs stay in L2 while every block of the weight passes over them, rather than
-// inputs streamed from L3 once per block. bfloat16: eight tiles, measured on the model's shapes; float32: as many rows
-// as fill half of a core's L2, the other half holding the block and the outputs.
-template <typename T>
+// inputs streamed from L3 once per block. bfloat16 inputs: eight tiles, measured on the model's shapes; float32
+// inputs: as many rows as fill half of a core's L2, the other half holding the block and the outputs.
+template <typename X>
 int64_t chunk_rows(int64_t in) {
-  if constexpr (!std::is_same_v<T, float>) return 8 * kMaxRows;
+  if constexpr (!std::is_same_v<X, float>) return 8 * kMaxRows;
   static const int64_t l2_bytes = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
     const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -89,6 +91,41 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
       const __m512bh v = (__m512bh)_mm512_set1_epi32(pairs[r * ldp + p]);  // row r's pair p, in every lane
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v, w1);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+  }
+}
+
+// The same product from float32 inputs: each step's pairs widened to float32 (a bfloat16 is the high half of a
+// float32), the first input's column weights then the second's, each multiplied by FMA; no vdpbf16ps.
+template <int Rows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf16_tile(
+    const float* x, int64_t ldx, const at::BFloat16* block, int64_t steps, const float* bias, at::BFloat16* y,
+    int64_t ldy, const at::BFloat16* next) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    fetch_step(next, p * 2 * kBlock * 2);  // a step reads 2 x 32 bfloat16
+    const at::BFloat16* pair = block + p * 2 * kBlock;  // [32 columns, 2 inputs]
+    for (int half = 0; half < 2; ++half) {  // input 2p (the low halves), then input 2p + 1 (the high halves)
+      __m512i raw0 = _mm512_loadu_si512(pair), raw1 = _mm512_loadu_si512(pair + kBlock);
+      raw0 = half == 0 ? _mm512_slli_epi32(raw0, 16) : _mm512_and_si512(raw0, high_half);
+      raw1 = half == 0 ? _mm512_slli_epi32(raw1, 16) : _mm512_and_si512(raw1, high_half);
+      const __m512 w0 = _mm512_castsi512_ps(raw0), w1 = _mm512_castsi512_ps(raw1);  // columns 0-15, 16-31
+#pragma GCC unroll 14
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 v = _mm512_set1_ps(x[r * ldx + 2 * p + half]);  // row r's input, in every lane
+        acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+      }
     }
   }
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -152,29 +189,32 @@ constexpr int kWideRows = 6;  // rows per two-block tile: 24 accumulators + 4 we
 constexpr int64_t kWideFromRows = 512;  // float32 calls of this many rows take two-block tiles: measured on the model's
                                         // shapes (even at 304 rows, faster at 608, slower at 152 and fewer)
 
-template <typename T>
-using Tile = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, const T*);
+// A tile's inputs are X, its weights and outputs T.
+template <typename X, typename T>
+using Tile = void (*)(const X*, int64_t, const T*, int64_t, const float*, T*, int64_t, const T*);
 
-// tiles<T>()[r - 1] computes r rows of one block; kWideTiles[r - 1] r rows of two float32 blocks
-template <typename T, int... Rows>
-constexpr std::array<Tile<T>, sizeof...(Rows)> tiles(std::integer_sequence<int, Rows...>) {
+// tiles<X, T>()[r - 1] computes r rows of one block; kWideTiles[r - 1] r rows of two float32 blocks
+template <typename X, typename T, int... Rows>
+constexpr std::array<Tile<X, T>, sizeof...(Rows)> tiles(std::integer_sequence<int, Rows...>) {
   if constexpr (std::is_same_v<T, float>) {
     return {{&f32_tile<Rows + 1, 1>...}};
+  } else if constexpr (std::is_same_v<X, float>) {
+    return {{&widened_bf16_tile<Rows + 1>...}};
   } else {
     return {{&bf16_tile<Rows + 1>...}};
   }
 }
 template <int... Rows>
-constexpr std::array<Tile<float>, sizeof...(Rows)> wide_tiles(std::integer_sequence<int, Rows...>) {
+constexpr std::array<Tile<float, float>, sizeof...(Rows)> wide_tiles(std::integer_sequence<int, Rows...>) {
   return {{&f32_tile<Rows + 1, 2>...}};
 }
 constexpr auto kWideTiles = wide_tiles(std::make_integer_sequence<int, kWideRows>{});
 
-template <typename T>
-void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
-  static constexpr auto kTiles = tiles<T>(std::make_integer_sequence<int, kMaxRows>{});
+template <typename X, typename T>
+void run_tiles(const X* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
+  static constexpr auto kTiles = tiles<X, T>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t block_size = in * kBlock, blocks = out / kBlock;  // elements of one block; blocks
-  const Tile<T>* table = kTiles.data();
+  const Tile<X, T>* table = kTiles.data();
   int64_t group = 1, max_rows = kMaxRows;  // blocks a tile computes, and its most rows
   if constexpr (std::is_same_v<T, float>) {
     if (m >= kWideFromRows && blocks % 2 == 0) table = kWideTiles.data(), group = 2, max_rows = kWideRows;
@@ -182,7 +222,7 @@ void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64
   // Rows in chunks (chunk_rows) that every group of blocks passes over; within a chunk, tiles of equal size, the
   // blocks reread from cache after the first. Each thread takes a contiguous share, so it streams its part of the
   // weight in order.
-  const int64_t rows_per_chunk = chunk_rows<T>(in);
+  const int64_t rows_per_chunk = chunk_rows<X>(in);
   const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, groups = blocks / group;
   at::parallel_for(0, chunks * groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
@@ -203,24 +243,29 @@ void run_tiles(const T* x, const T* w, const float* bias, T* y, int64_t m, int64
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && packed.dim() == 4,
-              "genscore's linear takes an input of its weight's dtype and a weight packed by pack_linear_weight");
+  const bool widened = x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == packed.scalar_type() || widened) && packed.dim() == 4,
+              "genscore's linear takes an input of its weight's dtype (or float32 for a bfloat16 weight) and a weight "
+              "packed by pack_linear_weight");
   const int64_t in = x.size(-1), steps = packed.size(1), out = packed.size(0) * kBlock;
-  TORCH_CHECK(in == steps * step_of(x.scalar_type()), "the input has ", in, " features, the packed weight ",
+  TORCH_CHECK(in == steps * step_of(packed.scalar_type()), "the input has ", in, " features, the packed weight ",
               steps * packed.size(3));
   const at::Tensor rows = x.reshape({-1, in}).contiguous();  // [M, in]
   const int64_t m = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  at::Tensor y = at::empty({m, out}, x.options());  // [M, out]
+  at::Tensor y = at::empty({m, out}, x.options().dtype(packed.scalar_type()));  // [M, out]
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();  // [out]
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    run_tiles<float>(rows.data_ptr<float>(), packed.data_ptr<float>(), b, y.data_ptr<float>(), m, in, out, steps);
+  if (widened) {
+    run_tiles(rows.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), b, y.data_ptr<at::BFloat16>(), m, in, out,
+              steps);
+  } else if (x.scalar_type() == at::kFloat) {
+    run_tiles(rows.data_ptr<float>(), packed.data_ptr<float>(), b, y.data_ptr<float>(), m, in, out, steps);
   } else {
-    run_tiles<at::BFloat16>(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b,
-                            y.data_ptr<at::BFloat16>(), m, in, out, steps);
+    run_tiles(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b, y.data_ptr<at::BFloat16>(), m, in,
+              out, steps);
   }
   return y.view(shape);
 }
