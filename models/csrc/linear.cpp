@@ -72,6 +72,20 @@ inline void fetch_step(const void* next, int64_t offset_bytes) {
   __builtin_prefetch(p + 64, 0, 3);
 }
 
+// y[rows, 32] = a tile's float32 sums (+ bias[32]), each rounded once to bfloat16.
+template <int Rows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_bf16_rows(
+    const __m512 (&acc)[Rows][2], const float* bias, at::BFloat16* y, int64_t ldy) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+  }
+}
+
 // y[rows, 32] = x[rows, in] x one block (+ bias[32]), x and y by rows of `ldx` / `ldy` elements; `steps` = in / 2.
 // `next` (or nullptr): the block to fetch while this one is computed.
 template <int Rows>
@@ -93,14 +107,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v, w1);
     }
   }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
-  }
+  store_bf16_rows<Rows>(acc, bias, y, ldy);
 }
 
 // The same product from float32 inputs: each step's pairs widened to float32 (a bfloat16 is the high half of a
@@ -128,14 +135,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf1
       }
     }
   }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
-  }
+  store_bf16_rows<Rows>(acc, bias, y, ldy);
 }
 
 // The same for float32, one input a step (`steps` = in). The registers sum runs of kRunSteps inputs and each run's
