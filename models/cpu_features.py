@@ -18,24 +18,27 @@ def cpu_capability() -> str:
 
 
 @functools.cache
+def _cpuinfo() -> str:
+    """Linux's /proc/cpuinfo ("" elsewhere), read once for the flags and the vendor."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+@functools.cache
 def cpu_flags() -> tuple[str, ...]:
     """The named instruction-set flags this CPU reports (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return ()
+    words = set(_cpuinfo().split())
     return tuple(flag for flag in _NAMED_FLAGS if flag in words)
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The vendor this CPU reports ("GenuineIntel", "AuthenticAMD"; Linux /proc/cpuinfo, "" elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _cpuinfo().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
     return ""
 
 
