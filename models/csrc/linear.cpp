@@ -110,13 +110,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_tile(
   store_bf16_rows<Rows>(acc, bias, y, ldy);
 }
 
+constexpr __mmask32 kHighHalves = 0xAAAAAAAAu;  // the odd 16-bit halves of 32-bit lanes: each pair's second input
+
 // The same product from float32 inputs: each step's pairs widened to float32 (a bfloat16 is the high half of a
 // float32), the first input's column weights then the second's, each multiplied by FMA; no vdpbf16ps.
 template <int Rows>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf16_tile(
     const float* x, int64_t ldx, const at::BFloat16* block, int64_t steps, const float* bias, at::BFloat16* y,
     int64_t ldy, const at::BFloat16* next) {
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < steps; ++p) {
@@ -124,8 +125,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf1
     const at::BFloat16* pair = block + p * 2 * kBlock;  // [32 columns, 2 inputs]
     for (int half = 0; half < 2; ++half) {  // input 2p (the low halves), then input 2p + 1 (the high halves)
       __m512i raw0 = _mm512_loadu_si512(pair), raw1 = _mm512_loadu_si512(pair + kBlock);
-      raw0 = half == 0 ? _mm512_slli_epi32(raw0, 16) : _mm512_and_si512(raw0, high_half);
-      raw1 = half == 0 ? _mm512_slli_epi32(raw1, 16) : _mm512_and_si512(raw1, high_half);
+      // The second input's halves kept by a mask register, not a zmm constant: with 28 accumulators a zmm
+      // constant left the compiler too few registers, and it spilled accumulators to the stack.
+      raw0 = half == 0 ? _mm512_slli_epi32(raw0, 16) : _mm512_maskz_mov_epi16(kHighHalves, raw0);
+      raw1 = half == 0 ? _mm512_slli_epi32(raw1, 16) : _mm512_maskz_mov_epi16(kHighHalves, raw1);
       const __m512 w0 = _mm512_castsi512_ps(raw0), w1 = _mm512_castsi512_ps(raw1);  // columns 0-15, 16-31
 #pragma GCC unroll 14
       for (int r = 0; r < Rows; ++r) {
