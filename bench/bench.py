@@ -34,7 +34,7 @@ from bench.servers import (
 )
 from bench.vllm_peer import SERVED_NAME, VllmClient, find_vllm_python, start_vllm, vllm_version
 from bench.workload import WORKLOADS
-from models.cpu_features import native_bfloat16_missing
+from models.cpu_features import cpu_flags, cpu_model_name, native_bfloat16_missing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,19 +100,11 @@ def log(message: str) -> None:
 def machine_facts() -> dict:
     import torch
 
-    flags = ""
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                flags = line
-                break
-    model_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                      platform.processor())
     return {
-        "cpu": model_name,
+        "cpu": cpu_model_name(),
         "cores": os.cpu_count(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "amx_bf16": "amx_bf16" in cpu_flags(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from bench.servers import free_port, wait_ready
+from models.cpu_features import cpu_model_name
 
 # SmolLM2's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>): biased away so every choice runs to max_tokens,
 # the worst case the limits allow.
@@ -41,13 +41,6 @@ def reset_peak(pid: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def score_request(items: int, labels: int, top: int, item_tokens: int = 16, query_tokens: int = 64) -> dict:
@@ -138,7 +131,7 @@ def main() -> None:
     port = free_port()
     process = start_server(args, port, args.out.with_suffix(".log"))
     pid = process.pid
-    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
+    report = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
               "env": args.env, "server_args": args.server_args, "dtype": args.dtype, "rows": []}
     idle = proc_status_kb(pid)
     report["idle"] = {"peak_mb": idle["VmHWM"] // 1024, "rss_mb": idle["VmRSS"] // 1024}

@@ -177,11 +177,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="`short` requests per HTTP pass")
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/bench/weights"))
     args = parser.parse_args()
-    from bench.memory import cpu_name
+    from models.cpu_features import cpu_model_name
 
     if args.http:
         levels = [int(c) for c in args.concurrency.split(",")]
-        print(f"CPU: {cpu_name()}; torch {torch.__version__}; {args.dtype}; `short` over HTTP, {args.requests} "
+        print(f"CPU: {cpu_model_name()}; torch {torch.__version__}; {args.dtype}; `short` over HTTP, {args.requests} "
               f"requests, fastest of 2 passes; R servers pinned to 1/R of the cores each, one round-robin client\n")
         print("| servers | " + " | ".join(f"prompts/s c={c}" for c in levels) + " |")
         print("| --- |" + " ---: |" * len(levels))
@@ -189,7 +189,7 @@ def main() -> None:
             out = run_http(replicas, args, levels)
             print(f"| {replicas} | " + " | ".join(f"{out[c]:.1f}" for c in levels) + " |", flush=True)
         return
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}; {args.dtype}; scoring rounds of {args.batch} `short` "
+    print(f"CPU: {cpu_model_name()}; torch {torch.__version__}; {args.dtype}; scoring rounds of {args.batch} `short` "
           f"prompts, decoding {args.rows} rows ({args.steps} steps after a prefill), both split over the replicas\n")
     print("| processes × threads (+ callers each) | scoring prompts/s | s per scoring call | decode tokens/s (with prefill) |"
           " s per decode round |")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ def cpu_capability() -> str:
 
 @functools.cache
 def _cpuinfo() -> str:
-    """Linux's /proc/cpuinfo ("" elsewhere), read once for the flags and the vendor."""
+    """Linux's /proc/cpuinfo ("" elsewhere), read once for the flags, the vendor and the model name."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -40,6 +41,15 @@ def cpu_vendor() -> str:
         if line.startswith("vendor_id"):
             return line.split(":", 1)[1].strip()
     return ""
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else what Python's platform module reports, else "unknown")."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 def describe_cpu() -> str:

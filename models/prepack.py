@@ -71,9 +71,9 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if packed_weight.dim() == 4:  # genscore's blocks (out_features)
-        if packed_weight.dtype == torch.bfloat16 and widens_bfloat16():
-            x = x.float()  # the kernel widens the weight in registers and multiplies by FMA; the output is bfloat16
-        return torch.ops.genscore_cpu.packed_linear(x, packed_weight, bias)
+        # widen: the kernel multiplies a bfloat16 weight in float32 FMAs, the output still bfloat16
+        widen = packed_weight.dtype == torch.bfloat16 and widens_bfloat16()
+        return torch.ops.genscore_cpu.packed_linear(x, packed_weight, bias, widen)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 

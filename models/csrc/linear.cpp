@@ -1,11 +1,11 @@
 // genscore's linear for CPUs with AVX-512: y = x W^T + b with W packed once into blocks of 32 output columns, each
 // block's inputs in steps side by side ([out / 32, in / step, 32, step]): steps of two for bfloat16, the pairs the
-// vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). A bfloat16 weight also takes
-// float32 inputs: then each pair is widened to float32 in registers and multiplied by FMA, for CPUs whose vdpbf16ps
-// issues at a fraction of their FMA rate (models/prepack.py says which). Each block's 32 columns are
-// accumulated in registers for up to 14 rows of x at a time over the whole input (float32 calls of many rows: two
-// blocks for up to 6 rows), so a weight byte is read from memory once per chunk of rows (a decode step's few rows
-// are bound by that read).
+// vdpbf16ps instruction reads (CPUs with avx512_bf16), steps of one for float32 (FMA). A bfloat16 weight can also be
+// widened: its inputs in float32 (given so, or a chunk of bfloat16 rows widened at a time into a per-thread buffer),
+// each pair of weights widened to float32 in registers and multiplied by FMA, for CPUs whose vdpbf16ps issues at a
+// fraction of their FMA rate (models/prepack.py says which). Each block's 32 columns are accumulated in registers
+// for up to 14 rows of x at a time over the whole input (float32 calls of many rows: two blocks for up to 6 rows),
+// so a weight byte is read from memory once per chunk of rows (a decode step's few rows are bound by that read).
 // Built by models/attention_cpu.py with the other CPU kernels; only the avx512 build holds the kernel.
 //
 // Numbers: products summed in float32 over the whole input in order (float32: in runs of 64 inputs, each run's sum
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -141,6 +142,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf1
   store_bf16_rows<Rows>(acc, bias, y, ldy);
 }
 
+// `rows` rows of `in` bfloat16 inputs as float32, in this thread's buffer (valid until its next call): the widened
+// tiles' inputs, a chunk of rows at a time, so that they are written where the tiles then read them (L2) and no
+// float32 copy of the whole input is made.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) const float* widened_rows(const at::BFloat16* x, int64_t rows,
+                                                                            int64_t in) {
+  thread_local std::vector<float> buffer;
+  const int64_t n = rows * in;
+  if (int64_t(buffer.size()) < n) buffer.resize(n);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  float* out = buffer.data();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // a bfloat16 is the high half of a float32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i)));
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+  return out;
+}
+
 // The same for float32, one input a step (`steps` = in). The registers sum runs of kRunSteps inputs and each run's
 // sum joins the row's total in memory: a float32 sum's rounding error grows with the number of terms added to one
 // accumulator, and float32 must stay within the self-check's bound on models with wide inputs.
@@ -213,8 +233,9 @@ constexpr std::array<Tile<float, float>, sizeof...(Rows)> wide_tiles(std::intege
 }
 constexpr auto kWideTiles = wide_tiles(std::make_integer_sequence<int, kWideRows>{});
 
-template <typename X, typename T>
-void run_tiles(const X* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
+// The tiles of X inputs over input rows of type S: S = X, or bfloat16 rows widened to float32 a chunk at a time.
+template <typename S, typename X, typename T>
+void run_tiles(const S* x, const T* w, const float* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t steps) {
   static constexpr auto kTiles = tiles<X, T>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t block_size = in * kBlock, blocks = out / kBlock;  // elements of one block; blocks
   const Tile<X, T>* table = kTiles.data();
@@ -228,9 +249,17 @@ void run_tiles(const X* x, const T* w, const float* bias, T* y, int64_t m, int64
   const int64_t rows_per_chunk = chunk_rows<X>(in);
   const int64_t chunks = m <= rows_per_chunk ? 1 : (m + rows_per_chunk - 1) / rows_per_chunk, groups = blocks / group;
   at::parallel_for(0, chunks * groups, 1, [&](int64_t first, int64_t last) {
+    int64_t widened_chunk = -1;  // the chunk whose rows this thread's buffer holds
+    const X* chunk_x = nullptr;  // [rows_in_chunk, in], the chunk's inputs as the tiles read them
     for (int64_t i = first; i < last; ++i) {
       const int64_t chunk = i / groups, blk = (i % groups) * group;  // the group's first block
       const int64_t c0 = chunk * m / chunks, rows_in_chunk = (chunk + 1) * m / chunks - c0;
+      if constexpr (std::is_same_v<S, X>) {
+        chunk_x = x + c0 * in;
+      } else if (chunk != widened_chunk) {
+        chunk_x = widened_rows(x + c0 * in, rows_in_chunk, in);
+        widened_chunk = chunk;
+      }
       const int64_t row_tiles = (rows_in_chunk + max_rows - 1) / max_rows;
       // With several tiles, the last (reading its blocks from cache) fetches the blocks this thread computes next,
       // so the next group's first tile finds them in cache; one tile streams its blocks in order, which the hardware
@@ -238,18 +267,22 @@ void run_tiles(const X* x, const T* w, const float* bias, T* y, int64_t m, int64
       const T* next = row_tiles > 1 && i + 1 < last ? w + ((i + 1) % groups) * group * block_size : nullptr;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t r0 = c0 + t * rows_in_chunk / row_tiles, r1 = c0 + (t + 1) * rows_in_chunk / row_tiles;
-        table[r1 - r0 - 1](x + r0 * in, in, w + blk * block_size, steps, bias ? bias + blk * kBlock : nullptr,
-                           y + r0 * out + blk * kBlock, out, t == row_tiles - 1 ? next : nullptr);
+        table[r1 - r0 - 1](chunk_x + (r0 - c0) * in, in, w + blk * block_size, steps,
+                           bias ? bias + blk * kBlock : nullptr, y + r0 * out + blk * kBlock, out,
+                           t == row_tiles - 1 ? next : nullptr);
       }
     }
   });
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  const bool widened = x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((x.scalar_type() == packed.scalar_type() || widened) && packed.dim() == 4,
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         bool widen) {
+  const bool bf16_weight = packed.scalar_type() == at::kBFloat16;
+  const bool float_input = x.scalar_type() == at::kFloat && bf16_weight;  // a bfloat16 weight's float32 input: widened
+  TORCH_CHECK((x.scalar_type() == packed.scalar_type() || float_input) && packed.dim() == 4,
               "genscore's linear takes an input of its weight's dtype (or float32 for a bfloat16 weight) and a weight "
               "packed by pack_linear_weight");
+  TORCH_CHECK(!widen || bf16_weight, "genscore's linear widens bfloat16 weights only");
   const int64_t in = x.size(-1), steps = packed.size(1), out = packed.size(0) * kBlock;
   TORCH_CHECK(in == steps * step_of(packed.scalar_type()), "the input has ", in, " features, the packed weight ",
               steps * packed.size(3));
@@ -261,21 +294,25 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();  // [out]
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  if (widened) {
-    run_tiles(rows.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), b, y.data_ptr<at::BFloat16>(), m, in, out,
-              steps);
-  } else if (x.scalar_type() == at::kFloat) {
-    run_tiles(rows.data_ptr<float>(), packed.data_ptr<float>(), b, y.data_ptr<float>(), m, in, out, steps);
+  if (!bf16_weight) {
+    run_tiles<float, float, float>(rows.data_ptr<float>(), packed.data_ptr<float>(), b, y.data_ptr<float>(), m, in,
+                                   out, steps);
+  } else if (float_input) {
+    run_tiles<float, float, at::BFloat16>(rows.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), b,
+                                          y.data_ptr<at::BFloat16>(), m, in, out, steps);
+  } else if (widen) {
+    run_tiles<at::BFloat16, float, at::BFloat16>(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b,
+                                                 y.data_ptr<at::BFloat16>(), m, in, out, steps);
   } else {
-    run_tiles(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b, y.data_ptr<at::BFloat16>(), m, in,
-              out, steps);
+    run_tiles<at::BFloat16, at::BFloat16, at::BFloat16>(rows.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
+                                                        b, y.data_ptr<at::BFloat16>(), m, in, out, steps);
   }
   return y.view(shape);
 }
 
 #else
 
-at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool) {
   TORCH_CHECK(false, "genscore's linear is built for AVX-512 only");
 }
 
@@ -285,7 +322,7 @@ at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, const std::option
 
 TORCH_LIBRARY_FRAGMENT(genscore_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, bool widen=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genscore_cpu, CPU, m) {

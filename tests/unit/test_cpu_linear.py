@@ -20,10 +20,11 @@ def _where_it_runs(dtype: torch.dtype, *values) -> pytest.param:
 
 
 DTYPES = [_where_it_runs(torch.float32), _where_it_runs(torch.bfloat16)]
-# (weight dtype, input dtype): a bfloat16 weight also takes float32 inputs, the path that multiplies by FMA
-# (models/prepack.py widens_bfloat16) rather than by vdpbf16ps; the kernel runs either on any CPU with avx512_bf16.
-INPUTS = [_where_it_runs(torch.float32, torch.float32), _where_it_runs(torch.bfloat16, torch.bfloat16),
-          _where_it_runs(torch.bfloat16, torch.float32)]
+# (weight dtype, input dtype, widen): a bfloat16 weight widened multiplies by FMA (models/prepack.py widens_bfloat16)
+# rather than by vdpbf16ps, from float32 inputs or from bfloat16 ones the kernel widens; the kernel runs each path on
+# any CPU with avx512_bf16.
+INPUTS = [_where_it_runs(torch.float32, torch.float32, False), _where_it_runs(torch.bfloat16, torch.bfloat16, False),
+          _where_it_runs(torch.bfloat16, torch.float32, False), _where_it_runs(torch.bfloat16, torch.bfloat16, True)]
 # A row's result against float64: bfloat16 rounds once at the end (half an ulp, 2^-9), float32 sums in another order.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-3, rtol=2**-8)}
 
@@ -39,15 +40,15 @@ def _linear(features: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.L
     return nn.Linear(features, outputs, bias=bias).to(dtype)
 
 
-@pytest.mark.parametrize("dtype,inputs", INPUTS)
+@pytest.mark.parametrize("dtype,inputs,widen", INPUTS)
 @pytest.mark.parametrize("features,outputs,bias", [(64, 96, True), (1536, 64, False)])
-def test_every_row_count_matches_a_float64_linear(kernel, dtype, inputs, features, outputs, bias):
+def test_every_row_count_matches_a_float64_linear(kernel, dtype, inputs, widen, features, outputs, bias):
     """Every tile size (1-14 rows), several tiles, several chunks of rows."""
     linear = _linear(features, outputs, bias, dtype)
     packed = kernel.pack_linear_weight(linear.weight.detach())
     for rows in [*range(1, 46), 113, 300, 500]:
         x = torch.randn(2, rows, features).to(dtype)  # [2, rows, in], values a bfloat16 holds
-        got = kernel.packed_linear(x.to(inputs), packed, None if linear.bias is None else linear.bias.detach())
+        got = kernel.packed_linear(x.to(inputs), packed, None if linear.bias is None else linear.bias.detach(), widen)
         want = nn.functional.linear(x.double(), linear.weight.double(), None if linear.bias is None else
                                     linear.bias.double())
         assert got.shape == (2, rows, outputs) and got.dtype == dtype
@@ -66,14 +67,14 @@ def test_float32_error_stays_small_on_a_wide_input(kernel, dtype):
     assert error < 1.2e-4, error
 
 
-@pytest.mark.parametrize("dtype,inputs", INPUTS)
-def test_a_rows_numbers_do_not_depend_on_its_neighbours(kernel, dtype, inputs):
+@pytest.mark.parametrize("dtype,inputs,widen", INPUTS)
+def test_a_rows_numbers_do_not_depend_on_its_neighbours(kernel, dtype, inputs, widen):
     linear = _linear(576, 192, True, dtype)
     packed = kernel.pack_linear_weight(linear.weight.detach())
     x = torch.randn(1000, 576).to(dtype).to(inputs)  # several chunks of rows in either dtype
-    together = kernel.packed_linear(x, packed, linear.bias.detach())
+    together = kernel.packed_linear(x, packed, linear.bias.detach(), widen)
     for row in (0, 13, 14, 111, 299, 500, 999):
-        alone = kernel.packed_linear(x[row:row + 1], packed, linear.bias.detach())
+        alone = kernel.packed_linear(x[row:row + 1], packed, linear.bias.detach(), widen)
         assert torch.equal(alone[0], together[row])
 
 
@@ -94,6 +95,17 @@ def test_both_bfloat16_paths_agree_within_one_rounding(kernel, dtype):
     paired = kernel.packed_linear(x, packed, None).float()
     ulp = torch.maximum(widened.abs(), paired.abs()) * 2**-7
     assert bool((widened - paired).abs().le(ulp).all())
+
+
+@pytest.mark.parametrize("dtype", [DTYPES[1]])
+def test_bfloat16_inputs_widened_in_the_kernel_match_float32_inputs(kernel, dtype):
+    """The kernel widens bfloat16 inputs a chunk of rows at a time: the same sums, bit for bit, as from the float32
+    copy of the input, over one tile, several tiles and several chunks."""
+    linear = _linear(1536, 64, False, dtype)
+    packed = kernel.pack_linear_weight(linear.weight.detach())
+    for rows in (1, 14, 45, 1000):
+        x = torch.randn(rows, 1536).to(dtype)  # [rows, in]
+        assert torch.equal(kernel.packed_linear(x, packed, None, True), kernel.packed_linear(x.float(), packed, None))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
