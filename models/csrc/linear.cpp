@@ -145,8 +145,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void widened_bf1
 // `rows` rows of `in` bfloat16 inputs as float32, in this thread's buffer (valid until its next call): the widened
 // tiles' inputs, a chunk of rows at a time, so that they are written where the tiles then read them (L2) and no
 // float32 copy of the whole input is made.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) const float* widened_rows(const at::BFloat16* x, int64_t rows,
-                                                                            int64_t in) {
+const float* widened_rows(const at::BFloat16* x, int64_t rows, int64_t in) {
   thread_local std::vector<float> buffer;
   const int64_t n = rows * in;
   if (int64_t(buffer.size()) < n) buffer.resize(n);
